@@ -1,0 +1,169 @@
+"""hybridkv: apply, check, build and export the patch series on vLLM.
+
+    hybridkv fetch                  download + verify pristine vLLM (wheel, sdist tests)
+    hybridkv check [--tree D|--installed] [-v]
+    hybridkv apply [--tree D|--installed]
+    hybridkv wheel [--out DIR]      build dist/vllm-X.Y.Z+hybridkv.N-*.whl
+    hybridkv export PATCH [--out DIR]
+    hybridkv dev [DIR] / hybridkv refresh [DIR]
+    hybridkv report                 what the installed vLLM is, and which patches it carries
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from hybridkv import base as base_mod
+from hybridkv.fetch import fetch, unpack
+from hybridkv.series import load_series, static_problems
+
+DEFAULT_DEV = base_mod.cache_dir() / "dev"
+
+
+def _ensure_pristine() -> dict[str, Path]:
+    files = fetch()
+    unpack(files)
+    return files
+
+
+def _target(args) -> Path:
+    from hybridkv.tree import installed_root
+
+    if args.installed:
+        return installed_root()
+    if args.tree:
+        return Path(args.tree).resolve()
+    _ensure_pristine()
+    return base_mod.pristine_wheel_dir()
+
+
+def _static_ok() -> bool:
+    problems = static_problems()
+    for p in problems:
+        print(f"FAILED           {p}")
+    return not problems
+
+
+def cmd_fetch(args) -> int:
+    _ensure_pristine()
+    return 0
+
+
+def cmd_check(args, write: bool = False) -> int:
+    from hybridkv import tree
+
+    if not _static_ok():
+        print("FAILED VALIDATION; see above")
+        return 1
+    series = load_series()
+    root = _target(args)
+    pl = tree.plan(root, series)
+    rc = tree.report(pl, verbose=args.verbose)
+    if write and rc == 0:
+        tree.write(pl, series, base_mod.load_base())
+        print(f"wrote {len(pl.files)} patched files, {len(pl.overlay)} overlay files "
+              f"and {tree.MANIFEST} into {root}")
+    return rc
+
+
+def cmd_wheel(args) -> int:
+    from hybridkv.wheel import build
+
+    if not _static_ok():
+        return 1
+    files = _ensure_pristine()
+    build(files["wheel"], load_series(), Path(args.out))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from hybridkv.export import export
+
+    _ensure_pristine()
+    series = load_series()
+    patches = series.patches if args.patch == "all" else [series.by_name(args.patch)]
+    for p in patches:
+        export(p, series, Path(args.out))
+    return 0
+
+
+def cmd_dev(args) -> int:
+    from hybridkv.devtree import dev
+
+    _ensure_pristine()
+    dev(load_series(), Path(args.dir))
+    return 0
+
+
+def cmd_refresh(args) -> int:
+    from hybridkv.devtree import refresh
+
+    _ensure_pristine()
+    refresh(Path(args.dir))
+    return 0 if _static_ok() else 1
+
+
+def cmd_report(args) -> int:
+    b = base_mod.load_base()
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        print("vLLM is not installed in this environment.")
+        return 1
+    from hybridkv.tree import MANIFEST, installed_root
+
+    root = installed_root()
+    print(f"vLLM {version} at {root / 'vllm'}")
+    m = root / MANIFEST
+    if not m.exists():
+        print(f"This is not a hybridkv build (no {MANIFEST}); expected {b.label}.")
+        return 1
+    man = json.loads(m.read_text())
+    print(f"hybridkv release {man['release']} on vLLM {man['base']}: {len(man['patches'])} patches")
+    for p in man["patches"]:
+        fixes = ", ".join(p["fixes"]) or "-"
+        print(f"  {p['name']}\n      {p['subject']}\n      fixes: {fixes}")
+    return 0 if version == man["version"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridkv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fetch", help="download and verify pristine vLLM").set_defaults(func=cmd_fetch)
+    for name, func in (("check", cmd_check), ("apply", lambda a: cmd_check(a, write=True))):
+        p = sub.add_parser(name, help=f"{name} the series against a vLLM tree")
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--tree", help="a directory holding vllm/ (default: the pristine wheel)")
+        g.add_argument("--installed", action="store_true", help="this Python's installed vllm")
+        p.add_argument("-v", "--verbose", action="store_true")
+        p.set_defaults(func=func)
+    p = sub.add_parser("wheel", help="build the patched wheel")
+    p.add_argument("--out", default=str(base_mod.REPO / "dist"))
+    p.set_defaults(func=cmd_wheel)
+    p = sub.add_parser("export", help="export a patch as an upstream PR diff + description")
+    p.add_argument("patch", help="patch name, file name, number (0001) or 'all'")
+    p.add_argument("--out", default=str(base_mod.REPO / "dist" / "export"))
+    p.set_defaults(func=cmd_export)
+    for name, func in (("dev", cmd_dev), ("refresh", cmd_refresh)):
+        p = sub.add_parser(name, help=f"{name} the git working tree of the series")
+        p.add_argument("dir", nargs="?", default=str(DEFAULT_DEV))
+        p.set_defaults(func=func)
+    sub.add_parser("report", help="report the installed vLLM and its patches").set_defaults(
+        func=cmd_report)
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(f"hybridkv: {e.code}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

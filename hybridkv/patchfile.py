@@ -1,0 +1,179 @@
+"""Read one patch file: its DEP-3 header, PR body and unified diff; apply hunks.
+
+Hunks apply exactly (no fuzz). A hunk whose context is not at the stated line
+may still apply where it matches exactly once elsewhere; matching twice is an
+ambiguous anchor and fails, as in Genesis' text patcher.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+REQUIRED_FIELDS = ("Subject", "Origin", "Forwarded", "Last-Update", "Upstream-Base")
+
+
+class PatchFormatError(Exception):
+    pass
+
+
+@dataclass
+class Hunk:
+    old_start: int
+    new_start: int
+    lines: list[tuple[str, str]]
+
+    @property
+    def old(self) -> list[str]:
+        return [t for tag, t in self.lines if tag in " -"]
+
+    @property
+    def new(self) -> list[str]:
+        return [t for tag, t in self.lines if tag in " +"]
+
+
+@dataclass
+class FileDiff:
+    path: str
+    hunks: list[Hunk]
+    is_new: bool = False
+
+
+@dataclass
+class Patch:
+    name: str
+    fields: dict[str, str]
+    body: str
+    diffs: list[FileDiff]
+    text: str
+
+    @property
+    def subject(self) -> str:
+        return self.fields.get("Subject", "")
+
+    def listed(self, key: str) -> list[str]:
+        return self.fields.get(key, "").split()
+
+
+@dataclass
+class HunkResult:
+    status: str  # "apply" | "applied" | "failed"
+    at: int = 0
+    reason: str = ""
+    detail: list[str] = field(default_factory=list)
+
+
+def parse(path: Path, name: str | None = None) -> Patch:
+    text = path.read_text(encoding="utf-8")
+    if not text.endswith("\n"):
+        raise PatchFormatError(f"{path}: does not end with a newline")
+    lines = text.split("\n")[:-1]
+    try:
+        sep = lines.index("---")
+    except ValueError:
+        raise PatchFormatError(f"{path}: no '---' line between header and diff") from None
+    head, diff = lines[:sep], lines[sep + 1:]
+    fields: dict[str, str] = {}
+    i = 0
+    while i < len(head) and head[i].strip():
+        m = re.match(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$", head[i])
+        if m:
+            key = m.group(1)
+            fields[key] = m.group(2).strip()
+        elif head[i][:1] in " \t" and fields:
+            # DEP-3 folded continuation of the previous field.
+            fields[key] += " " + head[i].strip()
+        else:
+            raise PatchFormatError(f"{path}: header line {i + 1} is not 'Field: value': {head[i]!r}")
+        i += 1
+    body = "\n".join(head[i:]).strip("\n")
+    return Patch(name or path.name, fields, body, _parse_diff(path, diff), text)
+
+
+def _parse_diff(path: Path, lines: list[str]) -> list[FileDiff]:
+    diffs: list[FileDiff] = []
+    cur: FileDiff | None = None
+    hunk: Hunk | None = None
+    remaining = [0, 0]
+    for n, line in enumerate(lines, 1):
+        if hunk is not None and (remaining[0] > 0 or remaining[1] > 0):
+            tag, body = (line[:1] or " "), line[1:]
+            if tag not in " +-":
+                raise PatchFormatError(f"{path}: diff line {n}: bad hunk line {line!r}")
+            hunk.lines.append((tag, body))
+            if tag in " -":
+                remaining[0] -= 1
+            if tag in " +":
+                remaining[1] -= 1
+            continue
+        if line.startswith("diff --git "):
+            cur, hunk = None, None
+        elif line.startswith("--- "):
+            new_file = line[4:] == "/dev/null"
+            cur = FileDiff(path="", hunks=[], is_new=new_file)
+        elif line.startswith("+++ ") and cur is not None:
+            target = line[4:]
+            if not target.startswith("b/"):
+                raise PatchFormatError(f"{path}: diff line {n}: expected 'b/' prefix: {line!r}")
+            cur.path = target[2:]
+            diffs.append(cur)
+        elif (m := HUNK_RE.match(line)) and cur is not None:
+            hunk = Hunk(old_start=int(m.group(1)), new_start=int(m.group(3)), lines=[])
+            remaining = [int(m.group(2) or 1), int(m.group(4) or 1)]
+            cur.hunks.append(hunk)
+        elif line.startswith("\\ No newline"):
+            raise PatchFormatError(f"{path}: diff line {n}: files must end with a newline")
+    if not diffs:
+        raise PatchFormatError(f"{path}: no file diffs after the '---' line")
+    return diffs
+
+
+def _find(lines: list[str], block: list[str]) -> list[int]:
+    if not block:
+        return []
+    first = block[0]
+    return [
+        i for i in range(len(lines) - len(block) + 1)
+        if lines[i] == first and lines[i:i + len(block)] == block
+    ]
+
+
+def locate(lines: list[str], hunk: Hunk, offset: int, reverse: bool = False) -> HunkResult:
+    """Where ``hunk`` applies to ``lines`` (or un-applies, with reverse)."""
+    old, new = (hunk.new, hunk.old) if reverse else (hunk.old, hunk.new)
+    start = hunk.new_start if reverse else hunk.old_start
+    want = max(start - 1 + offset, 0)
+    if lines[want:want + len(old)] == old:
+        return HunkResult("apply", want)
+    hits = _find(lines, old)
+    if len(hits) == 1:
+        return HunkResult("apply", hits[0])
+    if len(hits) > 1:
+        return HunkResult("failed", reason="ambiguous-anchor",
+                          detail=[f"context matches at lines {', '.join(str(h + 1) for h in hits)}"])
+    if lines[want:want + len(new)] == new or len(_find(lines, new)) == 1:
+        return HunkResult("applied")
+    detail = []
+    for k, exp in enumerate(old):
+        got = lines[want + k] if want + k < len(lines) else "<end of file>"
+        if got != exp:
+            detail = [f"line {want + k + 1}: expected {exp!r}", f"line {want + k + 1}: found    {got!r}"]
+            break
+    return HunkResult("failed", reason="context-mismatch", detail=detail)
+
+
+def apply_hunks(lines: list[str], hunks: list[Hunk], reverse: bool = False) -> list[str] | None:
+    """All hunks applied in order, or None if any does not apply exactly."""
+    out = list(lines)
+    offset = 0
+    for hunk in (reversed(hunks) if reverse else hunks):
+        # Reversed hunks go last-first, so each one's new_start is still exact.
+        res = locate(out, hunk, 0 if reverse else offset, reverse)
+        if res.status != "apply":
+            return None
+        old, new = (hunk.new, hunk.old) if reverse else (hunk.old, hunk.new)
+        out[res.at:res.at + len(old)] = new
+        offset += len(new) - len(old)
+    return out

@@ -1,0 +1,296 @@
+"""Check or apply the series to a vLLM tree: a pristine unpacked wheel, or an installed vLLM.
+
+The tree must be the pinned base. Every file a patch touches must be, byte for
+byte, either the published base file or that file with a prefix of the series
+applied; anything else is drift and fails the run (we build wheels, so drift
+must stop the build rather than be skipped at runtime).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import importlib.util
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridkv.base import Base, load_base
+from hybridkv.patchfile import Patch, apply_hunks, locate
+from hybridkv.series import Series
+
+MANIFEST = "vllm/_hybridkv_manifest.json"
+
+STATUS_WIDTH = 16
+
+
+class Refusal(SystemExit):
+    """The tree is not a base this series was made for."""
+
+
+@dataclass
+class PatchResult:
+    patch: Patch
+    status: str = "APPLIED"
+    reasons: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    def fail(self, reason: str, *details: str) -> None:
+        self.status = "FAILED"
+        self.reasons.append(reason)
+        self.details.extend(details)
+
+
+@dataclass
+class Plan:
+    root: Path
+    version: str
+    results: list[PatchResult]
+    files: dict[str, list[str]]  # path -> new content lines, for files that change
+    overlay: dict[str, bytes]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "FAILED" for r in self.results)
+
+
+def installed_root() -> Path:
+    """site-packages dir holding the vllm package of this interpreter (not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise Refusal("no installed vllm found for this Python; install vllm==0.20.2 first")
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def dist_info(root: Path) -> Path | None:
+    for d in sorted(root.glob("vllm-*.dist-info")):
+        if (d / "METADATA").exists():
+            return d
+    return None
+
+
+def tree_version(root: Path) -> tuple[str, str]:
+    """(version, where it was read) of the vLLM in ``root``."""
+    d = dist_info(root)
+    if d is not None:
+        for line in (d / "METADATA").read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip(), str(d / "METADATA")
+    v = root / "vllm" / "_version.py"
+    if v.exists():
+        m = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)", v.read_text())
+        if m:
+            return m.group(1), str(v)
+    raise Refusal(f"{root}: no vllm-*.dist-info/METADATA or vllm/_version.py; is this a vLLM tree?")
+
+
+def check_version(root: Path, base: Base) -> str:
+    version, where = tree_version(root)
+    public = version.split("+", 1)[0]
+    if public != base.version or ("+" in version and "+hybridkv." not in version):
+        raise Refusal(
+            f"hybridkv {base.label} is made for vLLM {base.version}, but {root} holds "
+            f"vLLM {version} (read from {where}).\n"
+            f"  Install the base first: pip install vllm=={base.version}\n"
+            f"  or use a hybridkv release made for vLLM {public}."
+        )
+    return version
+
+
+def pristine_hashes(series: Series) -> dict[str, str]:
+    hashes = {}
+    f = series.repo / "patches" / "pristine.sha256"
+    if f.exists():
+        for line in f.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                digest, path = line.split(None, 1)
+                hashes[path.strip()] = digest
+    return hashes
+
+
+def _sha(lines: list[str]) -> str:
+    return hashlib.sha256(_join(lines)).hexdigest()
+
+
+def _join(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _read(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return text[:-1].split("\n") if text.endswith("\n") else text.split("\n")
+
+
+def _applied_prefix(lines: list[str], path: str, patches: list[Patch], pristine: str) -> int | None:
+    """How many of the series' patches are already in this file (None: drifted)."""
+    touching = [i for i, p in enumerate(patches) if any(d.path == path for d in p.diffs)]
+    for k in range(len(touching), -1, -1):
+        cur: list[str] | None = lines
+        for i in reversed(touching[:k]):
+            for d in reversed(patches[i].diffs):
+                if d.path == path and cur is not None:
+                    cur = apply_hunks(cur, d.hunks, reverse=True)
+        if cur is not None and _sha(cur) == pristine:
+            return k
+    return None
+
+
+def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
+    base = base or load_base()
+    version = check_version(root, base)
+    hashes = pristine_hashes(series)
+    results = [PatchResult(p) for p in series.patches]
+    contents: dict[str, list[str]] = {}
+    changed: set[str] = set()
+    drifted: dict[str, str] = {}
+    for path in series.hooked_files():
+        f = root / path
+        if not f.exists():
+            continue
+        contents[path] = _read(f)
+        if path not in hashes:
+            drifted[path] = "no pristine sha256 recorded in patches/pristine.sha256 (run `hybridkv refresh`)"
+        elif _applied_prefix(contents[path], path, series.patches, hashes[path]) is None:
+            drifted[path] = (
+                f"sha256 {hashlib.sha256(f.read_bytes()).hexdigest()} is neither vLLM "
+                f"{base.version}'s ({hashes[path]}) nor that file with hybridkv patches applied"
+            )
+    for res in results:
+        new_contents: dict[str, list[str]] = {}
+        states = set()
+        for d in res.patch.diffs:
+            if d.path in drifted:
+                res.fail("file-drifted", f"{d.path}: {drifted[d.path]}")
+                continue
+            if d.path not in contents:
+                if d.is_new:
+                    contents[d.path] = []
+                else:
+                    res.fail("file-missing", f"{d.path}: not in {root}")
+                    continue
+            lines = new_contents.get(d.path, contents[d.path])
+            fwd = apply_hunks(lines, d.hunks)
+            if fwd is not None:
+                states.add("apply")
+                new_contents[d.path] = fwd
+            elif apply_hunks(lines, d.hunks, reverse=True) is not None:
+                states.add("applied")
+            else:
+                res.fail(*_explain(lines, d.path, d.hunks))
+        if res.status == "FAILED":
+            continue
+        if states == {"applied"}:
+            res.status = "UPSTREAMED" if res.patch.fields.get("Applied-Upstream") else "ALREADY-APPLIED"
+        elif "applied" in states:
+            res.fail("partially-applied", "some files of this patch are patched, others are not")
+            continue
+        contents.update(new_contents)
+        changed.update(new_contents)
+    overlay = _plan_overlay(root, series, results)
+    return Plan(root, version, results, {p: contents[p] for p in changed}, overlay)
+
+
+def _explain(lines: list[str], path: str, hunks) -> tuple[str, ...]:
+    offset = 0
+    for n, h in enumerate(hunks, 1):
+        r = locate(lines, h, offset)
+        if r.status == "failed":
+            return (r.reason, f"{path} hunk {n} (@@ -{h.old_start}):", *("  " + d for d in r.detail))
+        if r.status == "apply":
+            lines = lines[:r.at] + h.new + lines[r.at + len(h.old):]
+            offset += len(h.new) - len(h.old)
+    return ("context-mismatch", f"{path}: hunks apply only partly")
+
+
+def _plan_overlay(root: Path, series: Series, results: list[PatchResult]) -> dict[str, bytes]:
+    ours = set()
+    m = root / MANIFEST
+    if m.exists():
+        ours = set(json.loads(m.read_text()).get("overlay", []))
+    overlay = {}
+    for res in results:
+        for rel in res.patch.listed("Overlay"):
+            data = (series.repo / rel).read_bytes()
+            target = root / rel
+            if target.exists() and rel not in ours and target.read_bytes() != data:
+                res.fail("overlay-shadows-upstream",
+                         f"{rel}: vLLM already has this file; an overlay must be a new file")
+            overlay[rel] = data
+    return overlay
+
+
+def manifest(series: Series, base: Base) -> dict:
+    return {
+        "base": base.version,
+        "release": base.release,
+        "version": base.label,
+        "patches": [
+            {
+                "name": p.name,
+                "subject": p.subject,
+                "bug": p.fields.get("Bug", ""),
+                "fixes": re.findall(r"^Fixes (\S+)", p.body, re.M),
+            }
+            for p in series.patches
+        ],
+        "overlay": sorted(series.overlay_files()),
+    }
+
+
+def rendered_files(pl: Plan, series: Series, base: Base) -> dict[str, bytes]:
+    """Every file the series writes into the tree, as bytes."""
+    out = {p: _join(lines) for p, lines in pl.files.items()}
+    out.update(pl.overlay)
+    out[MANIFEST] = (json.dumps(manifest(series, base), indent=2) + "\n").encode()
+    return out
+
+
+def write(pl: Plan, series: Series, base: Base) -> None:
+    files = rendered_files(pl, series, base)
+    for rel, data in files.items():
+        target = pl.root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    _update_record(pl.root, files)
+
+
+def record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"sha256={digest}"
+
+
+def _update_record(root: Path, files: dict[str, bytes]) -> None:
+    # Keep pip's RECORD true, so `pip uninstall vllm` also removes our overlay files.
+    d = dist_info(root)
+    if d is None or not (d / "RECORD").exists():
+        return
+    rows = list(csv.reader(io.StringIO((d / "RECORD").read_text())))
+    index = {r[0]: i for i, r in enumerate(rows) if r}
+    for rel, data in files.items():
+        row = [rel, record_hash(data), str(len(data))]
+        if rel in index:
+            rows[index[rel]] = row
+        else:
+            rows.append(row)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    (d / "RECORD").write_text(buf.getvalue())
+
+
+def report(pl: Plan, verbose: bool = False, out=print) -> int:
+    for res in pl.results:
+        reason = f"  ({', '.join(dict.fromkeys(res.reasons))})" if res.reasons else ""
+        out(f"{res.status:<{STATUS_WIDTH}} {res.patch.name}{reason}")
+        if res.status == "FAILED" or verbose:
+            for d in res.details:
+                out(f"{'':<{STATUS_WIDTH}}   {d}")
+            if verbose:
+                out(f"{'':<{STATUS_WIDTH}}   {res.patch.subject}")
+    if pl.ok:
+        out(f"Passed validation ({len(pl.results)} patches) on vLLM {pl.version} at {pl.root}")
+        return 0
+    out("FAILED VALIDATION; see above")
+    return 1

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# hybridkv's main job, from a fresh CPU-only machine: a test venv, pristine vLLM 0.20.2
+# fetched and verified, the series checked against it, the patched wheel built and
+# installed, and a report of what that install carries. Safe to run again: each step
+# is skipped or redone quickly when its inputs did not change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${HYBRIDKV_VENV:-.venv}
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "test environment ($VENV): requirements/cpu-test.txt"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.hybridkv-requirements"
+want=$(cat requirements/cpu-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements/cpu-test.txt 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  # Editable: the tooling finds patches/ and the overlay through its own path.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  echo "$want" > "$stamp"
+fi
+hk="$VENV/bin/hybridkv"
+
+step "pristine vLLM (PyPI, sha256 from requirements/vllm-base.txt)"
+"$hk" fetch
+
+step "series against pristine vLLM"
+"$hk" check
+
+step "patched wheel"
+"$hk" wheel
+wheel=$(ls -t dist/vllm-*+hybridkv.*.whl | head -n 1)
+
+step "install $wheel (no deps: the CPU test env supplies them)"
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel" 2>&1 \
+  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+"$hk" check --installed
+
+step "report"
+"$hk" report

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# hybridkv's tests, from a fresh CPU-only machine: runs scripts/setup.sh (the main job),
+# then our tests and vLLM 0.20.2's own tests for the code the series touches, both
+# against the installed patched wheel. GPU tests (-m gpu) are skipped here; they run
+# on the GPU host through scripts/gpu-suite.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${HYBRIDKV_VENV:-.venv}
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1
+py="$VENV/bin/python"
+
+printf '\n== hybridkv tests (tests/)\n'
+"$py" -m pytest tests -q -p no:cacheprovider "$@"
+
+printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
+cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
+mapfile -t upstream < <(grep -v '^#' "$OLDPWD/tests/upstream-tests.txt" | grep .)
+"$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin "${upstream[@]}"

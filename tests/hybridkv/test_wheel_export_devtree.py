@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The patched wheel, the upstream export and the dev-tree round trip."""
+
+import base64
+import csv
+import hashlib
+import io
+import shutil
+import subprocess
+import zipfile
+
+import pytest
+
+from hybridkv.base import REPO, downloads_dir, load_base
+from hybridkv.devtree import dev, refresh
+from hybridkv.export import pr_description, pr_diff
+from hybridkv.series import load_series, static_problems
+from hybridkv.wheel import build
+
+
+@pytest.fixture(scope="module")
+def patched_wheel(pristine_root, tmp_path_factory):
+    pristine = next(downloads_dir().glob("vllm-*.whl"))
+    return build(pristine, load_series(), tmp_path_factory.mktemp("dist"), log=lambda *_: None)
+
+
+def test_wheel_carries_the_label_and_a_true_record(patched_wheel):
+    base = load_base()
+    assert patched_wheel.name.startswith(f"vllm-{base.label}-")
+    with zipfile.ZipFile(patched_wheel) as z:
+        info = f"vllm-{base.label}.dist-info"
+        assert f"Version: {base.label}" in z.read(f"{info}/METADATA").decode()
+        rows = list(csv.reader(io.StringIO(z.read(f"{info}/RECORD").decode())))
+        recorded = {r[0] for r in rows}
+        assert recorded == set(z.namelist())
+        for name, digest, size in rows:
+            if name.endswith(".py") or name.endswith(".json"):
+                data = z.read(name)
+                want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+                assert digest == f"sha256={want.decode()}" and int(size) == len(data), name
+        series = load_series()
+        for rel in series.overlay_files():
+            assert z.read(rel) == (REPO / rel).read_bytes()
+        assert "vllm/_hybridkv_manifest.json" in recorded
+
+
+def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
+    for patch in series.patches:
+        diff = pr_diff(patch, series, pristine_root)
+        tree = tmp_path / patch.name.replace("/", "_")
+        for d in patch.diffs:
+            (tree / d.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(pristine_root / d.path, tree / d.path)
+        (tree / "pr.diff").write_text(diff)
+        subprocess.run(["git", "apply", "--check", "pr.diff"], cwd=tree, check=True)
+        for rel in patch.listed("Overlay") + patch.listed("Tests"):
+            assert f"+++ b/{rel}" in diff
+        desc = pr_description(patch)
+        assert desc.startswith(f"# {patch.subject}\n") and "Fixes vllm-project/vllm#" in desc
+
+
+def test_dev_then_refresh_reproduces_the_series(tmp_path, pristine_root, series):
+    dev(series, tmp_path / "dev", log=lambda *_: None)
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO / "patches", copy / "patches")
+    for rel in list(series.overlay_files()) + [t for p in series.patches for t in p.listed("Tests")]:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+    refresh(tmp_path / "dev", copy, log=lambda *_: None)
+    for patch in series.patches:
+        assert (copy / "patches" / patch.name).read_text() == patch.text
+    assert (copy / "patches" / "pristine.sha256").read_text() == (
+        REPO / "patches" / "pristine.sha256").read_text()
+
+
+def test_the_series_passes_its_static_checks():
+    assert static_problems() == []
+
+
+def test_static_checks_catch_an_unlisted_patch(tmp_path):
+    shutil.copytree(REPO / "patches", tmp_path / "patches")
+    shutil.copytree(REPO / "vllm", tmp_path / "vllm")
+    shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "patches" / "core" / "9999-stray.patch").write_text("x\n")
+    assert "patches/core/9999-stray.patch: not listed in patches/series" in static_problems(tmp_path)
