@@ -15,5 +15,6 @@ printf '\n== hybridkv tests (tests/)\n'
 
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
-mapfile -t upstream < <(grep -v '^#' "$OLDPWD/tests/upstream-tests.txt" | grep .)
-"$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin "${upstream[@]}"
+mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)
+"$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
+  --deselect-file="$OLDPWD/tests/upstream_deselect.txt" "${upstream[@]}"
