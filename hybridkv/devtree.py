@@ -97,6 +97,13 @@ def refresh(src: Path, repo: Path = REPO, log=print) -> list[str]:
                   _git(src, "diff", "--name-status", "--no-renames", f"{c}^", c).splitlines()]
         added = [s[1] for s in status if s[0] == "A"]
         modified = [s[1] for s in status if s[0] != "A"]
+        theirs = [f for f in modified if not (pristine / f).exists()]
+        if theirs:
+            raise SystemExit(
+                f"commit {c[:10]} ({fields['Subject']}) changes {', '.join(theirs)}, which an "
+                "earlier commit added: a file belongs to one patch. Squash the change into "
+                "that commit (git commit --fixup=<it>; git rebase -i --autosquash pristine)."
+            )
         overlay = [f for f in added if f.startswith("vllm/") and not (pristine / f).exists()]
         tests = [f for f in added if f.startswith("tests/")]
         hooks = modified + [f for f in added if f not in overlay and f not in tests]

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${HYBRIDKV_VENV:-.venv}
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-py="$VENV/bin/python"
+py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from another folder
 
 printf '\n== hybridkv tests (tests/)\n'
 "$py" -m pytest tests -q -p no:cacheprovider "$@"

@@ -2,6 +2,7 @@
 """The patched wheel, the upstream export and the dev-tree round trip."""
 
 import base64
+import re
 import csv
 import hashlib
 import io
@@ -56,7 +57,8 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
         for rel in patch.listed("Overlay") + patch.listed("Tests"):
             assert f"+++ b/{rel}" in diff
         desc = pr_description(patch)
-        assert desc.startswith(f"# {patch.subject}\n") and "Fixes vllm-project/vllm#" in desc
+        assert desc.startswith(f"# {patch.subject}\n")
+        assert re.search(r"^Fixes .*vllm-project/vllm#\d+", desc, re.M)
 
 
 def test_dev_then_refresh_reproduces_the_series(tmp_path, pristine_root, series):
@@ -82,3 +84,16 @@ def test_static_checks_catch_an_unlisted_patch(tmp_path):
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "patches" / "core" / "9999-stray.patch").write_text("x\n")
     assert "patches/core/9999-stray.patch: not listed in patches/series" in static_problems(tmp_path)
+
+
+def test_refresh_refuses_a_commit_that_edits_another_patchs_file(tmp_path, pristine_root, series):
+    dev(series, tmp_path / "dev", log=lambda *_: None)
+    overlay = next(iter(series.overlay_files()))
+    with open(tmp_path / "dev" / overlay, "a") as f:
+        f.write("# a later fix\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["commit", "-qam", "fix the overlay"], cwd=tmp_path / "dev", check=True)
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO / "patches", copy / "patches")
+    with pytest.raises(SystemExit, match=rf"changes {overlay}, which an earlier commit added"):
+        refresh(tmp_path / "dev", copy, log=lambda *_: None)

@@ -328,7 +328,7 @@ def gemma4_mm(
     TP=4 (16 and 4 in total), the setup of the Gate-5 report; query:KV 2:1 on
     sliding layers as there.
 
-    Note: transformers >= 5.17 turns ``global_head_dim`` /
+    Note: transformers >= 5.15 turns ``global_head_dim`` /
     ``num_global_key_value_heads`` into a heterogeneous ``per_layer_config``,
     which vLLM 0.20.2 cannot read (see test_tiny_configs.py).
     """

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What stock vLLM 0.20.2 parses from the tiny builders and the full-size records.
 
-Three depths, so that each stops where this CPU environment stops:
+Three depths, so that a failure says how far vLLM got:
 
 1. ``get_config``: vLLM's config loader (its own Qwen3.5/Qwen3-Next config
    classes, transformers' for Gemma 4 and Qwen3). Always runs.
@@ -12,10 +12,10 @@ Three depths, so that each stops where this CPU environment stops:
 3. ``ModelConfig`` itself (architecture resolution, ``is_hybrid``, per-type
    layer counts, the MTP drafter's config). This imports the model class;
    vLLM's qwen3_5.py / qwen3_5_mtp.py / gemma4_mm.py import transformers'
-   image processors, which need torchvision, and there is no torchvision
-   build for the CPU torch of the test env, so those cases skip without it.
+   image processors, which need torchvision (the test env has it).
 
-Gemma 4 with transformers >= 5.17: ``Gemma4TextConfig`` turns ``global_head_dim``
+Gemma 4 with transformers >= 5.15 (the test env pins 5.14.1; the GPU image has
+5.17): ``Gemma4TextConfig`` turns ``global_head_dim``
 and ``num_global_key_value_heads`` into a heterogeneous ``per_layer_config``
 and drops the two attributes; reading ``head_dim`` on the text config then
 raises ``AmbiguousGlobalPerLayerAttributeError``, which vLLM 0.20.2 does in
@@ -23,7 +23,6 @@ its arch-config convertor. Those cases are strict xfails: they start failing
 (XPASS) the day vLLM reads such configs, which is the cue to update them.
 """
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,20 +45,6 @@ from .tokenizer import EOS_ID, TINY_VOCAB_SIZE
 
 pytestmark = pytest.mark.cpu_test
 
-
-def _torchvision_works() -> bool:
-    # A CUDA torchvision wheel next to CPU torch imports with a RuntimeError,
-    # so find_spec() alone is not enough.
-    if importlib.util.find_spec("torchvision") is None:
-        return False
-    try:
-        import torchvision.transforms.v2  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-HAS_TORCHVISION = _torchvision_works()
 
 try:
     from transformers.integrations.heterogeneity.configuration_utils import (
@@ -98,8 +83,6 @@ class Expected:
     mm_prefix: bool = False
     # layer kind -> (head_dim, kv heads), for models whose kinds differ.
     per_kind: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # The vLLM model module imports transformers' image processors.
-    needs_torchvision: bool = False
 
     @property
     def is_gemma4(self) -> bool:
@@ -117,7 +100,6 @@ TINY = {
         full_attention=[3, 7],
         mtp_layers=1,
         mtp_architecture="Qwen3_5MTP",
-        needs_torchvision=True,
     ),
     "qwen3_next": Expected(
         architecture="Qwen3NextForCausalLM",
@@ -141,7 +123,6 @@ TINY = {
         sliding_window=128,
         mm_prefix=True,
         per_kind={"sliding_attention": (256, 4), "full_attention": (512, 1)},
-        needs_torchvision=True,
     ),
     "qwen3_dense": Expected(
         architecture="Qwen3ForCausalLM",
@@ -175,7 +156,6 @@ FULL_SIZE = {
         full_attention=list(range(3, 64, 4)),
         mtp_layers=1,
         mtp_architecture="Qwen3_5MTP",
-        needs_torchvision=True,
     ),
     "Qwen3-Coder-Next-80B-A3B": Expected(
         architecture="Qwen3NextForCausalLM",
@@ -200,7 +180,6 @@ FULL_SIZE = {
         sliding_window=1024,
         mm_prefix=True,
         per_kind={"sliding_attention": (256, 16), "full_attention": (512, 4)},
-        needs_torchvision=True,
     ),
     "Qwen3-4B": _QWEN3_4B,
 }
@@ -218,12 +197,7 @@ _GEMMA4_XFAIL = pytest.mark.xfail(
     raises=AmbiguousGlobalPerLayerAttributeError,
     strict=True,
     reason="vLLM 0.20.2 reads head_dim/global_head_dim off Gemma 4's text config, "
-    "which transformers >= 5.17 makes per-layer",
-)
-_NO_TORCHVISION = pytest.mark.skipif(
-    not HAS_TORCHVISION,
-    reason="vLLM's model module imports transformers image processors, "
-    "which need torchvision (none for the CPU torch of the test env)",
+    "which transformers >= 5.15 makes per-layer",
 )
 
 
@@ -235,12 +209,6 @@ def _cases(depth: str) -> list:
             marks = []
             if exp.is_gemma4 and depth in ("arch", "model"):
                 marks.append(_GEMMA4_XFAIL)
-                # Without the per-layer failure, ModelConfig would get as far
-                # as importing the model class.
-                if depth == "model" and not GEMMA4_PER_LAYER:
-                    marks.append(_NO_TORCHVISION)
-            elif exp.needs_torchvision and depth == "model":
-                marks.append(_NO_TORCHVISION)
             params.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
     return params
 

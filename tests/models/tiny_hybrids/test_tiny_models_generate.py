@@ -3,7 +3,7 @@
 """GPU: the tiny fixtures boot vLLM's engine (dummy weights) and generate.
 
 Run on the GPU host by scripts/gpu-suite.sh; skipped on CPU. Gemma 4 is not
-here yet: vLLM 0.20.2 cannot parse Gemma 4 configs with transformers >= 5.17
+here yet: vLLM 0.20.2 cannot parse Gemma 4 configs with transformers >= 5.15
 (see test_tiny_configs.py).
 """
 
@@ -13,15 +13,13 @@ import pytest
 
 from .builders import qwen3_5_text, qwen3_dense, qwen3_next
 
-# On SM90, vLLM 0.20.2's "auto" GDN prefill backend picks FlashInfer without
-# checking that flashinfer is installed (ModuleNotFoundError at the first
-# prefill); the GPU runtime we test with has no flashinfer, so the hybrids use
-# the Triton/FLA kernels.
-GDN_TRITON = {"gdn_prefill_backend": "triton"}
+# No --gdn-prefill-backend: the GPU runtime has no flashinfer, and on SM90
+# pristine 0.20.2's "auto" picks FlashInfer anyway (ModuleNotFoundError at the
+# first prefill); patch 0003 makes it check first.
 MODELS = {
     "qwen3_dense": (qwen3_dense, {}),
-    "qwen3_next": (qwen3_next, GDN_TRITON),
-    "qwen3_5_text": (qwen3_5_text, {"language_model_only": True, **GDN_TRITON}),
+    "qwen3_next": (qwen3_next, {}),
+    "qwen3_5_text": (qwen3_5_text, {"language_model_only": True}),
 }
 
 
