@@ -119,6 +119,32 @@ def test_drifted_plugin_is_named_and_vllm_falls_back(fresh_plugins, vllm_logs):
     assert "pip uninstall turboquant-vllm-fake" in text and "VLLM_PLUGINS=" in text
 
 
+def test_specs_the_plugin_already_built_are_not_kept(fresh_plugins, vllm_logs):
+    from vllm.plugins.hook_watch import retry_without_failed_plugins
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install_fake_plugin(fresh_plugins, "fake_tq4_plugin:register_tq4_backend")
+    vllm.plugins.load_general_plugins()
+    config = VllmConfig()
+    config.cache_config.block_size = 16
+    # A boundary layer kept at bf16 (the plugin's hook succeeds on it), then a
+    # TurboQuant layer (it fails): the first result must not survive.
+    bf16 = types.SimpleNamespace(**{**vars(turboquant_layer()), "kv_cache_dtype": "auto",
+                                    "kv_cache_torch_dtype": torch.bfloat16})
+    layers = {"layers.0": bf16, "layers.2": turboquant_layer()}
+
+    @retry_without_failed_plugins
+    def get_kv_cache_spec():  # what GPUModelRunner.get_kv_cache_spec does
+        return {n: Attention.get_kv_cache_spec(layer, config) for n, layer in layers.items()}
+
+    specs = get_kv_cache_spec()
+
+    assert type(specs["layers.0"]) is FullAttentionSpec and specs["layers.0"].dtype == torch.bfloat16
+    assert type(specs["layers.2"]) is TQFullAttentionSpec
+    assert hasattr(GPUModelRunner.get_kv_cache_spec, "__wrapped__")  # the runner retries too
+
+
 def test_drifted_plugin_fails_named_in_strict_mode(fresh_plugins, monkeypatch):
     install_fake_plugin(fresh_plugins, "fake_tq4_plugin:register_tq4_backend")
     monkeypatch.setenv("VLLM_PLUGINS_STRICT", "1")

@@ -13,10 +13,12 @@ A replaced function is wrapped so that a ``TypeError``/``AttributeError`` out
 of it (the signature of API drift) names the plugin and how to disable it.
 
 Falling back to vLLM's own hook after such an error is allowed only when it
-cannot mix two layouts: the plugin's hook produced nothing (it raised), the
-user did not ask for the plugin (``VLLM_PLUGINS``), strict mode is off, and the
-attention backend in use is not one the plugin registered. vLLM's hook then
-gives exactly what vLLM's own backends expect, as if the plugin were absent.
+cannot mix two layouts: the user did not ask for the plugin (``VLLM_PLUGINS``),
+strict mode is off, and the attention backend in use is not one the plugin
+registered. Results the plugin's hook already returned are not kept: the
+caller that collects them (``GPUModelRunner.get_kv_cache_spec``, decorated
+with :func:`retry_without_failed_plugins`) starts over with vLLM's hook. vLLM
+then gets exactly what its own backends expect, as if the plugin were absent.
 Otherwise the error is raised, with the same text.
 """
 
@@ -48,6 +50,28 @@ WATCHED_REGISTRIES: list[tuple[str, str]] = [
 
 class PluginHookError(PluginError):
     """A core hook replaced by a plugin failed, and falling back is not safe."""
+
+
+class PluginHookFallback(PluginError):
+    """A replaced hook failed after earlier calls had returned the plugin's results.
+
+    Those results must not be mixed with vLLM's own: the caller that collects
+    them (decorated with :func:`retry_without_failed_plugins`) starts over, now
+    with vLLM's hook. Anywhere else this is an error naming the plugin.
+    """
+
+
+def retry_without_failed_plugins(collect: Callable) -> Callable:
+    """Recompute a batch of hook results if a plugin's hook was dropped half-way."""
+
+    @functools.wraps(collect)
+    def wrapper(*args, **kwargs):
+        try:
+            return collect(*args, **kwargs)
+        except PluginHookFallback:
+            return collect(*args, **kwargs)
+
+    return wrapper
 
 
 def _hook_name(module: str, cls: str | None, attr: str) -> str:
@@ -130,10 +154,15 @@ class HookWatch:
     def _guard(self, info: PluginInfo, hook: _Hook, new: Callable, original: Callable) -> Callable:
         watch = self
 
+        succeeded = False
+
         @functools.wraps(new)
         def guarded(*args, **kwargs):
+            nonlocal succeeded
             try:
-                return new(*args, **kwargs)
+                result = new(*args, **kwargs)
+                succeeded = True
+                return result
             except (TypeError, AttributeError) as e:
                 message = (
                     f"vLLM core hook {hook.name} was replaced by {info.describe()}, and it "
@@ -151,6 +180,8 @@ class HookWatch:
                 )
                 # Later calls go straight to vLLM's hook: one report, no retries.
                 setattr(hook.owner, hook.attr, original)
+                if succeeded:
+                    raise PluginHookFallback(message) from e
                 return original(*args, **kwargs)
 
         guarded.__hybridkv_guarded__ = True  # type: ignore[attr-defined]
