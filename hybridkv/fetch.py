@@ -100,30 +100,38 @@ def fetch(log=print) -> dict[str, Path]:
     return files
 
 
+def _unpack_once(dest: Path, source: Path, extract, log) -> None:
+    """Run ``extract(dest)`` unless ``dest`` already holds ``source``'s contents."""
+    stamp = dest / ".from"
+    if stamp.exists() and stamp.read_text() == source.name:
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    extract(dest)
+    stamp.write_text(source.name)
+    log(f"unpacked {source.name} -> {dest}")
+
+
+def _extract_sdist_tests(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as t:
+        root = t.getmembers()[0].name.split("/")[0]
+        keep = [
+            m for m in t.getmembers()
+            if m.name.startswith(f"{root}/tests/") or m.name == f"{root}/pyproject.toml"
+        ]
+        for m in keep:
+            m.name = m.name[len(root) + 1:]
+        t.extractall(dest, members=keep, filter="data")
+
+
+def _extract_wheel(wheel: Path, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(dest)
+
+
 def unpack(files: dict[str, Path], log=print) -> None:
     """Unpack the wheel (the pristine tree) and the sdist's tests/ (once)."""
-    wheel_dir = pristine_wheel_dir()
-    stamp = wheel_dir / ".from"
-    if not (stamp.exists() and stamp.read_text() == files["wheel"].name):
-        shutil.rmtree(wheel_dir, ignore_errors=True)
-        wheel_dir.mkdir(parents=True)
-        with zipfile.ZipFile(files["wheel"]) as z:
-            z.extractall(wheel_dir)
-        stamp.write_text(files["wheel"].name)
-        log(f"unpacked {files['wheel'].name} -> {wheel_dir}")
-    tests_dir = upstream_tests_dir()
-    stamp = tests_dir / ".from"
-    if not (stamp.exists() and stamp.read_text() == files["sdist"].name):
-        shutil.rmtree(tests_dir, ignore_errors=True)
-        tests_dir.mkdir(parents=True)
-        with tarfile.open(files["sdist"]) as t:
-            root = t.getmembers()[0].name.split("/")[0]
-            keep = [
-                m for m in t.getmembers()
-                if m.name.startswith(f"{root}/tests/") or m.name == f"{root}/pyproject.toml"
-            ]
-            for m in keep:
-                m.name = m.name[len(root) + 1:]
-            t.extractall(tests_dir, members=keep, filter="data")
-        stamp.write_text(files["sdist"].name)
-        log(f"unpacked {files['sdist'].name} tests/ -> {tests_dir}")
+    _unpack_once(pristine_wheel_dir(), files["wheel"],
+                 lambda d: _extract_wheel(files["wheel"], d), log)
+    _unpack_once(upstream_tests_dir(), files["sdist"],
+                 lambda d: _extract_sdist_tests(files["sdist"], d), log)

@@ -232,7 +232,7 @@ def manifest(series: Series, base: Base) -> dict:
                 "name": p.name,
                 "subject": p.subject,
                 "bug": p.fields.get("Bug", ""),
-                "fixes": re.findall(r"^Fixes (\S+)", p.body, re.M),
+                "fixes": re.findall(r"^Fixes (.+)$", p.body, re.M),
             }
             for p in series.patches
         ],
