@@ -11,6 +11,7 @@ argument 'tq_slot_size'`` and nothing names the plugin.
 """
 
 import logging
+import sys
 import textwrap
 import types
 
@@ -88,7 +89,10 @@ def fresh_plugins(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     for var in ("VLLM_PLUGINS", "VLLM_PLUGINS_STRICT", "VLLM_PLUGIN_FAILURES_REPORTED"):
         monkeypatch.delenv(var, raising=False)
-    return tmp_path
+    # Each test imports its own copy of the plugin module, from its own tmp_path.
+    sys.modules.pop("fake_tq4_plugin", None)
+    yield tmp_path
+    sys.modules.pop("fake_tq4_plugin", None)
 
 
 def turboquant_layer():
