@@ -14,9 +14,8 @@ import subprocess
 from pathlib import Path
 
 from hybridkv.base import REPO, load_base, pristine_wheel_dir
-from hybridkv.patchfile import apply_hunks
 from hybridkv.series import Series
-from hybridkv.tree import _join, _read
+from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 
 FIELD_ORDER = ("Subject", "From", "Origin", "Bug", "Bug-hybridkv", "Forwarded",
                "Applied-Upstream", "Author", "Reviewed-by", "Last-Update", "Upstream-Base",
@@ -52,11 +51,11 @@ def dev(series: Series, dest: Path, repo: Path = REPO, log=print) -> None:
     for p in series.patches:
         for d in p.diffs:
             f = dest / d.path
-            new = apply_hunks(_read(f) if f.exists() else [], d.hunks)
+            new = apply_hunks(read_lines(f) if f.exists() else [], d.hunks)
             if new is None:
                 raise SystemExit(f"{p.name}: does not apply in the dev tree ({d.path})")
             f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_bytes(_join(new))
+            f.write_bytes(join_lines(new))
         for rel in p.listed("Overlay") + p.listed("Tests"):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(repo / rel, dest / rel)

@@ -10,9 +10,8 @@ import difflib
 from pathlib import Path
 
 from hybridkv.base import load_base, pristine_wheel_dir
-from hybridkv.patchfile import Patch, apply_hunks
+from hybridkv.patchfile import Patch, apply_hunks, read_lines
 from hybridkv.series import Series
-from hybridkv.tree import _read
 
 
 def _file_diff(path: str, old: list[str], new: list[str]) -> list[str]:
@@ -29,7 +28,7 @@ def _file_diff(path: str, old: list[str], new: list[str]) -> list[str]:
 def pr_diff(patch: Patch, series: Series, pristine_root: Path) -> str:
     out: list[str] = []
     for d in patch.diffs:
-        old = _read(pristine_root / d.path)
+        old = read_lines(pristine_root / d.path)
         new = apply_hunks(old, d.hunks)
         if new is None:
             earlier = [
@@ -43,7 +42,7 @@ def pr_diff(patch: Patch, series: Series, pristine_root: Path) -> str:
             )
         out += _file_diff(d.path, old, new)
     for rel in patch.listed("Overlay") + patch.listed("Tests"):
-        out += _file_diff(rel, [], _read(series.repo / rel))
+        out += _file_diff(rel, [], read_lines(series.repo / rel))
     return "\n".join(out) + "\n"
 
 

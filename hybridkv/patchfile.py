@@ -130,6 +130,16 @@ def _parse_diff(path: Path, lines: list[str]) -> list[FileDiff]:
     return diffs
 
 
+def read_lines(path: Path) -> list[str]:
+    """A text file as lines without their newlines (the form hunks apply to)."""
+    text = path.read_text(encoding="utf-8")
+    return text[:-1].split("\n") if text.endswith("\n") else text.split("\n")
+
+
+def join_lines(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
 def _find(lines: list[str], block: list[str]) -> list[int]:
     if not block:
         return []

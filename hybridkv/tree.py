@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv.base import Base, load_base
-from hybridkv.patchfile import Patch, apply_hunks, locate
+from hybridkv.patchfile import Patch, apply_hunks, join_lines, locate, read_lines
 from hybridkv.series import Series
 
 MANIFEST = "vllm/_hybridkv_manifest.json"
@@ -112,16 +112,7 @@ def pristine_hashes(series: Series) -> dict[str, str]:
 
 
 def _sha(lines: list[str]) -> str:
-    return hashlib.sha256(_join(lines)).hexdigest()
-
-
-def _join(lines: list[str]) -> bytes:
-    return ("\n".join(lines) + "\n").encode() if lines else b""
-
-
-def _read(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8")
-    return text[:-1].split("\n") if text.endswith("\n") else text.split("\n")
+    return hashlib.sha256(join_lines(lines)).hexdigest()
 
 
 def _applied_prefix(lines: list[str], path: str, patches: list[Patch], pristine: str) -> int | None:
@@ -150,7 +141,7 @@ def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
         f = root / path
         if not f.exists():
             continue
-        contents[path] = _read(f)
+        contents[path] = read_lines(f)
         if path not in hashes:
             drifted[path] = "no pristine sha256 recorded in patches/pristine.sha256 (run `hybridkv refresh`)"
         elif _applied_prefix(contents[path], path, series.patches, hashes[path]) is None:
@@ -242,7 +233,7 @@ def manifest(series: Series, base: Base) -> dict:
 
 def rendered_files(pl: Plan, series: Series, base: Base) -> dict[str, bytes]:
     """Every file the series writes into the tree, as bytes."""
-    out = {p: _join(lines) for p, lines in pl.files.items()}
+    out = {p: join_lines(lines) for p, lines in pl.files.items()}
     out.update(pl.overlay)
     out[MANIFEST] = (json.dumps(manifest(series, base), indent=2) + "\n").encode()
     return out
