@@ -137,6 +137,7 @@ def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
     contents: dict[str, list[str]] = {}
     changed: set[str] = set()
     drifted: dict[str, str] = {}
+    applied_in: dict[str, set[int]] = {}
     for path in series.hooked_files():
         f = root / path
         if not f.exists():
@@ -144,17 +145,25 @@ def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
         contents[path] = read_lines(f)
         if path not in hashes:
             drifted[path] = "no pristine sha256 recorded in patches/pristine.sha256 (run `hybridkv refresh`)"
-        elif _applied_prefix(contents[path], path, series.patches, hashes[path]) is None:
+        elif (k := _applied_prefix(contents[path], path, series.patches, hashes[path])) is not None:
+            # Later patches may rewrite an earlier patch's lines, so "already
+            # applied" is decided for the series prefix, not patch by patch.
+            touching = [i for i, p in enumerate(series.patches) if any(d.path == path for d in p.diffs)]
+            applied_in[path] = set(touching[:k])
+        else:
             drifted[path] = (
                 f"sha256 {hashlib.sha256(f.read_bytes()).hexdigest()} is neither vLLM "
                 f"{base.version}'s ({hashes[path]}) nor that file with hybridkv patches applied"
             )
-    for res in results:
+    for index, res in enumerate(results):
         new_contents: dict[str, list[str]] = {}
         states = set()
         for d in res.patch.diffs:
             if d.path in drifted:
                 res.fail("file-drifted", f"{d.path}: {drifted[d.path]}")
+                continue
+            if index in applied_in.get(d.path, ()):
+                states.add("applied")
                 continue
             if d.path not in contents:
                 if d.is_new:

@@ -22,7 +22,12 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_groups,
     get_uniform_page_size,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 pytestmark = pytest.mark.cpu_test
 
@@ -69,39 +74,36 @@ def vllm_config() -> VllmConfig:
     return VllmConfig()
 
 
-def test_dense_draft_beside_hybrid_main_names_layers_and_sizes(vllm_config):
+def test_dense_draft_beside_hybrid_main_plans(vllm_config):
+    """The seed's shapes: pristine 0.20.2 dies on a bare AssertionError; with
+    the series the draft's larger page is met by padding the Mamba page."""
     specs = hybrid_main_with_dense_draft()
     mamba_page = specs["model.layers.0.linear_attn"].page_size_bytes
     draft_page = specs["draft_model.model.layers.0.self_attn.attn"].page_size_bytes
     assert draft_page == 2 * mamba_page  # the seed's shape: draft page twice the state page
 
-    with pytest.raises(AssertionError) as exc:
-        get_kv_cache_groups(vllm_config, specs)
-
-    msg = str(exc.value)
-    assert "'model.layers.0.linear_attn' (MambaSpec)" in msg
-    assert f"{mamba_page} B page" in msg and f"largest page is {draft_page} B" in msg
-    assert "draft_model.model.layers.0.self_attn.attn" in msg
-    assert "does not depend on block_size" in msg
-    assert "MTP" in msg  # says what to try
-    # Also a ValueError: a configuration error, catchable like other config errors.
-    assert isinstance(exc.value, ValueError)
+    groups = get_kv_cache_groups(vllm_config, specs)
+    assert get_uniform_page_size([g.kv_cache_spec for g in groups]) >= draft_page
 
 
-def test_non_divisible_pages_name_both_layers(vllm_config):
+def test_unpaddable_non_divisible_pages_name_both_layers(vllm_config):
+    """MLA pages cannot be padded; a page that neither divides nor can be
+    padded is named with both layers and sizes."""
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 2, 2, 16, 16, 4)
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.float32, "auto", "auto")
     specs = {
-        "model.layers.0.self_attn.attn": FullAttentionSpec(
-            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32),
-        "model.layers.1.self_attn.attn": SlidingWindowSpec(
-            block_size=16, num_kv_heads=2, head_size=96, dtype=torch.float32,
-            sliding_window=8),
+        "model.layers.0.linear_attn": MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes),
+        "model.layers.1.self_attn.attn": MLAAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=24, dtype=torch.float32),
     }
+    mamba_page = specs["model.layers.0.linear_attn"].page_size_bytes
+    assert mamba_page % specs["model.layers.1.self_attn.attn"].page_size_bytes
     with pytest.raises(NotImplementedError) as exc:  # the type upstream tests expect
         get_kv_cache_groups(vllm_config, specs)
     msg = str(exc.value)
-    assert "'model.layers.0.self_attn.attn' (FullAttentionSpec) has a 16384 B page" in msg
-    assert "24576 B of layer 'model.layers.1.self_attn.attn' (SlidingWindowSpec)" in msg
-    assert "--kv-cache-dtype" in msg
+    assert "'model.layers.1.self_attn.attn' (MLAAttentionSpec) has a 1536 B page" in msg
+    assert f"{mamba_page} B" in msg and "model.layers.0.linear_attn" in msg
+    assert isinstance(exc.value, ValueError)
 
 
 def test_groups_with_different_page_sizes_are_listed():

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The models of the bug reports, at their real shapes, through the engine's
+planning (config checks, per-layer specs, hybrid page planner, unification,
+block counts) via the capacity planner (patch 0006).
+
+On pristine 0.20.2 each fails the way its report says: Qwen3.6-27B with
+TurboQuant is refused for being hybrid (#41560's build removed that refusal
+and then hit the unification assert), Qwen3-Coder-Next + LocoOperator-4B dies
+on the bare assert (#43626), Gemma-4-31B at TP=4 on "not divisible"
+(#41403 Gate 5). Qwen3-4B (dense) is the control: it plans the same on both.
+The planner module is loaded from this repository when the installed vLLM
+has none, and then applies 0.20.2's own rules.
+"""
+
+import argparse
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.models.tiny_hybrids.shapes import write_full_size_config
+
+REPO = Path(__file__).resolve().parents[3]
+TQ_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+GIB = 2**30
+# Padding, as a share of KV-cache memory, the planner must stay under.
+MAX_PADDING = 0.01
+
+
+def _capacity_module():
+    try:
+        return importlib.import_module("vllm.v1.core.kv_cache_capacity")
+    except ImportError:
+        path = REPO / "vllm/v1/core/kv_cache_capacity.py"
+        spec = importlib.util.spec_from_file_location("kv_cache_capacity", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+capacity = _capacity_module()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("full_size")
+    names = ["Qwen3.6-27B", "Qwen3-Coder-Next-80B-A3B", "LocoOperator-4B", "Gemma-4-31B", "Qwen3-4B"]
+    return {n: str(write_full_size_config(n, root / n)) for n in names}
+
+
+def plan(model: str, **kw):
+    args = capacity.add_arguments(argparse.ArgumentParser()).parse_args([model, "--max-model-len", "0"])
+    for key, value in kw.items():
+        setattr(args, key, value)
+    report = capacity.plan(args)
+    print(capacity.format_report(report))
+    return report
+
+
+def _padding_ok(report):
+    assert report.error is None, report.error
+    assert report.padding_fraction <= MAX_PADDING, report.padding_fraction
+
+
+# Qwen3.6-27B int4 on a 24 GB card (report #41560's command line).
+QWEN36 = dict(max_model_len=96000, gpu_memory_gib=24, gpu_memory_utilization=0.97, weights_gib=16.6, language_model_only=True)
+
+
+@pytest.mark.parametrize("preset", TQ_PRESETS)
+def test_qwen3_6_27b_turboquant_plans_without_waste(models, preset):
+    report = plan(models["Qwen3.6-27B"], kv_cache_dtype=preset, **QWEN36)
+    _padding_ok(report)
+    # All 16 full-attention layers are quantized; GDN layers keep their state.
+    assert report.layer_dtypes == {preset: 16}
+    baseline = plan(models["Qwen3.6-27B"], kv_cache_dtype="auto", **{**QWEN36, "max_model_len": 32768})
+    assert report.kv_tokens > baseline.kv_tokens
+
+
+def test_qwen3_6_27b_boundary_layers_and_mtp(models):
+    """Non-default policy: 1 boundary attention layer each side, MTP drafting."""
+    report = plan(
+        models["Qwen3.6-27B"],
+        kv_cache_dtype="turboquant_4bit_nc",
+        kv_cache_dtype_skip_layers=["boundary:1"],
+        num_speculative_tokens=3,
+        **QWEN36,
+    )
+    assert report.error is None, report.error
+    # Layers 3 and 63 at bf16; 14 main layers and the MTP layer quantized.
+    assert report.layer_dtypes == {"auto": 2, "turboquant_4bit_nc": 15}
+    assert report.padding_fraction <= 0.03
+
+
+def test_qwen3_coder_next_with_locooperator_draft(models):
+    report = plan(
+        models["Qwen3-Coder-Next-80B-A3B"],
+        kv_cache_dtype="fp8_e4m3",
+        draft=models["LocoOperator-4B"],
+        num_speculative_tokens=3,
+        max_model_len=65536,
+        kv_cache_memory_bytes=8 * GIB,
+    )
+    _padding_ok(report)
+    assert sum(report.layer_dtypes.values()) == 12 + 36
+
+
+def test_gemma_4_31b_tp4_turboquant_native_context(models):
+    report = plan(
+        models["Gemma-4-31B"],
+        kv_cache_dtype="turboquant_4bit_nc",
+        tensor_parallel_size=4,
+        max_model_len=262144,
+        gpu_memory_gib=16,
+        gpu_memory_utilization=0.92,
+        weights_gib=31,
+    )
+    _padding_ok(report)
+    # Sliding-window layers stay bf16 (no TurboQuant sliding kernel); full
+    # layers other than the last (boundary) are quantized.
+    assert report.layer_dtypes == {"auto": 51, "turboquant_4bit_nc": 9}
+    assert report.max_concurrency >= 1
+
+
+def test_qwen3_4b_dense_control(models):
+    report = plan(models["Qwen3-4B"], kv_cache_dtype="turboquant_4bit_nc", max_model_len=32768, kv_cache_memory_bytes=4 * GIB)
+    assert report.error is None, report.error
+    assert report.padding_fraction == 0
+    assert report.layer_dtypes == {"auto": 4, "turboquant_4bit_nc": 32}

@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Which attention layers store their KV cache in the quantized dtype.
+
+``--kv-cache-dtype-skip-layers`` lists layers kept at the model dtype. Its
+entries are:
+
+- a decimal layer index of the main model (``"63"``);
+- ``sliding_window``: every sliding-window layer;
+- ``draft``: every layer of a speculative drafter (MTP head, EAGLE head or
+  separate draft model);
+- ``boundary:N``: TurboQuant's boundary protection, the first ``N`` and last
+  ``N`` *attention* layers of the main model.
+
+Policy for TurboQuant (``turboquant_*``), decided once in
+``resolve_skip_layers`` and applied per layer by ``layer_kv_cache_dtype``:
+
+- Boundary protection counts attention layers, not decoder layers: in a
+  Qwen3.5/3.6 hybrid, decoder layers 0, 1 and 62 are Gated DeltaNet layers
+  that have no KV cache, so upstream's "skip layers 0, 1, 62, 63" protected
+  one attention layer. Default ``N`` is 2 for models whose layers are all
+  attention (upstream behaviour unchanged) and 0 for Mamba/GDN hybrids
+  (as upstream 0.33 does): there only every fourth layer is attention, each
+  bf16 layer costs four TurboQuant layers of memory, and the first/last
+  decoder layers the rule was meant to protect are GDN layers TurboQuant
+  never touches. ``boundary:N`` overrides the default either way.
+- Drafter layers are never matched by a layer index: ``mtp.layers.0`` and
+  ``draft_model.model.layers.0`` used to alias the main model's layer 0.
+  They use the run's KV dtype unless ``draft`` is listed; a drafter's
+  quantization error can only lower the acceptance rate, never change the
+  verified output.
+- Sliding-window layers are always kept at the model dtype: TurboQuant has no
+  sliding-window kernel and no sliding-window KV spec (a TurboQuant sliding
+  layer was sized as an unpacked uint8 cache and attended over all tokens).
+  ``sliding_window`` is added with one log line.
+
+Every layer's decision is recorded, and the resulting map is logged once,
+compactly, after the model (and drafter) are built.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+logger = init_logger(__name__)
+
+SLIDING_WINDOW = "sliding_window"
+DRAFT = "draft"
+BOUNDARY_PREFIX = "boundary:"
+DEFAULT_BOUNDARY_DENSE = 2
+DEFAULT_BOUNDARY_HYBRID = 0
+
+_ATTENTION_TYPES = {"full_attention", "attention", "sliding_attention", "hybrid"}
+_SLIDING_TYPES = {"sliding_attention"}
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    kv_cache_dtype: str
+    reason: str
+
+
+# prefix -> decision, filled while layers are built; logged once.
+_DECISIONS: dict[str, LayerDecision] = {}
+_LOGGED = False
+
+
+def attention_layer_indices(hf_text_config) -> list[int]:
+    """Decoder-layer indices of the main model that are attention layers."""
+    num_layers = hf_text_config.num_hidden_layers
+    for field in ("layer_types", "layers_block_type"):
+        types = getattr(hf_text_config, field, None)
+        if types:
+            return [i for i, t in enumerate(types[:num_layers]) if t in _ATTENTION_TYPES]
+    return list(range(num_layers))
+
+
+def has_sliding_window_layers(hf_text_config) -> bool:
+    types = getattr(hf_text_config, "layer_types", None) or []
+    if any(t in _SLIDING_TYPES for t in types):
+        return True
+    return not types and getattr(hf_text_config, "sliding_window", None) is not None
+
+
+def boundary_layers(skip_layers: list[str], attention_layers: list[int], hybrid: bool) -> tuple[int, list[int]]:
+    """(N, the attention-layer indices boundary protection keeps)."""
+    requested = [s for s in skip_layers if s.startswith(BOUNDARY_PREFIX)]
+    if requested:
+        value = requested[-1][len(BOUNDARY_PREFIX) :]
+        if not value.isdigit():
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {requested[-1]!r}: expected "
+                f"'{BOUNDARY_PREFIX}N' with N a whole number of attention layers "
+                f"(e.g. '{BOUNDARY_PREFIX}1'; '{BOUNDARY_PREFIX}0' turns boundary "
+                "protection off)."
+            )
+        n = int(value)
+    else:
+        n = DEFAULT_BOUNDARY_HYBRID if hybrid else DEFAULT_BOUNDARY_DENSE
+    if n == 0:
+        return 0, []
+    kept = attention_layers[:n] + attention_layers[-n:]
+    return n, sorted(set(kept))
+
+
+def _sort_key(entry: str) -> tuple[int, int, str]:
+    return (0, int(entry), "") if entry.isdigit() else (1, 0, entry)
+
+
+def resolve_skip_layers(model_config: "ModelConfig", cache_config: "CacheConfig") -> list[str]:
+    """The skip list for a TurboQuant run (replaces upstream's hybrid refusal
+    and global-index boundary rule in ``EngineArgs.create_engine_config``)."""
+    text_config = model_config.hf_text_config
+    skip = list(cache_config.kv_cache_dtype_skip_layers or [])
+    for entry in skip:
+        if not (entry.isdigit() or entry in (SLIDING_WINDOW, DRAFT) or entry.startswith(BOUNDARY_PREFIX)):
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
+                f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}' or "
+                f"'{BOUNDARY_PREFIX}N'."
+            )
+    attention = attention_layer_indices(text_config)
+    if not attention:
+        raise ValueError(
+            f"--kv-cache-dtype {cache_config.cache_dtype}: model "
+            f"{model_config.model!r} has no attention layers, so TurboQuant has "
+            "nothing to quantize. Use --kv-cache-dtype auto."
+        )
+    n, kept = boundary_layers(skip, attention, model_config.is_hybrid)
+    merged = set(skip) | {str(i) for i in kept}
+    if has_sliding_window_layers(text_config) and SLIDING_WINDOW not in merged:
+        merged.add(SLIDING_WINDOW)
+        logger.info(
+            "TurboQuant has no sliding-window kernel: sliding-window layers keep "
+            "the model's KV dtype (%s added to --kv-cache-dtype-skip-layers).",
+            SLIDING_WINDOW,
+        )
+    logger.info(
+        "TurboQuant: %d of %d attention layers kept at the model dtype by "
+        "boundary protection (%s%d, counted in attention layers): %s",
+        len(kept),
+        len(attention),
+        BOUNDARY_PREFIX,
+        n,
+        kept,
+    )
+    return sorted(merged, key=_sort_key)
+
+
+def is_draft_layer(prefix: str, num_main_layers: int | None) -> bool:
+    """Whether ``prefix`` names an attention layer of a speculative drafter."""
+    parts = prefix.split(".")
+    if parts[0] == "draft_model" or "mtp" in parts:
+        return True
+    if num_main_layers is None:
+        return False
+    indices = [int(p) for p in parts if p.isdigit()]
+    # EAGLE heads continue the target's numbering (model.layers.<N + i>).
+    return bool(indices) and indices[0] >= num_main_layers
+
+
+def layer_kv_cache_dtype(
+    prefix: str,
+    sliding_window: int | None,
+    kv_cache_dtype: str,
+    cache_config: "CacheConfig",
+    model_config: "ModelConfig | None",
+) -> tuple[str, str]:
+    """(the KV dtype of the attention layer ``prefix``, why)."""
+    skip_layers = list(cache_config.kv_cache_dtype_skip_layers or [])
+    num_main_layers = (
+        model_config.hf_text_config.num_hidden_layers if model_config is not None else None
+    )
+    quantized = kv_cache_dtype.startswith("turboquant_")
+    draft = is_draft_layer(prefix, num_main_layers)
+    decision = LayerDecision(kv_cache_dtype, "draft layer" if draft else "")
+    if sliding_window is not None and (SLIDING_WINDOW in skip_layers or quantized):
+        decision = LayerDecision("auto", SLIDING_WINDOW)
+    elif draft:
+        if DRAFT in skip_layers:
+            decision = LayerDecision("auto", DRAFT)
+    else:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        try:
+            index = extract_layer_index(prefix)
+        except (AssertionError, ValueError):
+            index = None
+        if index is not None and str(index) in skip_layers:
+            decision = LayerDecision("auto", f"layer {index} in skip list")
+    _DECISIONS[prefix] = decision
+    return decision.kv_cache_dtype, decision.reason
+
+
+def log_kv_cache_dtype_map(vllm_config: "VllmConfig") -> None:
+    """Log, once per process, which attention layers got which KV dtype."""
+    global _LOGGED
+    if _LOGGED or not _DECISIONS:
+        return
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto" and all(d.kv_cache_dtype == "auto" for d in _DECISIONS.values()):
+        return
+    _LOGGED = True
+    by_dtype: dict[str, list[str]] = defaultdict(list)
+    for prefix, decision in _DECISIONS.items():
+        label = decision.kv_cache_dtype
+        if decision.kv_cache_dtype == "auto":
+            label = f"auto ({vllm_config.model_config.dtype})"
+        if decision.reason:
+            label += f" [{decision.reason}]"
+        by_dtype[label].append(_short(prefix))
+    lines = [f"  {label}: {len(names)} layer(s): {', '.join(names)}" for label, names in by_dtype.items()]
+    logger.info("KV cache dtype per attention layer:\n%s", "\n".join(lines))
+
+
+def _short(prefix: str) -> str:
+    for suffix in (".self_attn.attn", ".attn.attn", ".attn"):
+        if prefix.endswith(suffix):
+            return prefix[: -len(suffix)]
+    return prefix
+
+
+def reset_for_tests() -> None:
+    global _LOGGED
+    _DECISIONS.clear()
+    _LOGGED = False
