@@ -2,6 +2,9 @@
 
 The diff holds the patch's hooks, recomputed against the pristine file (so it
 applies to upstream on its own), and its overlay and test files as new files.
+A patch whose header says ``Depends: <earlier patch> ...`` is a stacked pull
+request: its hooks are recomputed against pristine plus those patches, and its
+description says to land them first.
 """
 
 from __future__ import annotations
@@ -25,10 +28,36 @@ def _file_diff(path: str, old: list[str], new: list[str]) -> list[str]:
     return head + body if body else []
 
 
+def dependencies(patch: Patch, series: Series) -> list[Patch]:
+    """The earlier patches named in ``Depends:``, and theirs, in series order."""
+    by_name = {p.name: p for p in series.patches}
+    names: set[str] = set()
+    todo = list(patch.listed("Depends"))
+    while todo:
+        name = todo.pop()
+        if name in by_name and name not in names:
+            names.add(name)
+            todo += by_name[name].listed("Depends")
+    return [p for p in series.patches[: series.patches.index(patch)] if p.name in names]
+
+
+def _base_lines(path: str, deps: list[Patch], pristine_root: Path) -> list[str]:
+    lines = read_lines(pristine_root / path)
+    for dep in deps:
+        for d in dep.diffs:
+            if d.path == path:
+                applied = apply_hunks(lines, d.hunks)
+                if applied is None:
+                    raise SystemExit(f"{dep.name}: does not apply to {path} for a stacked export")
+                lines = applied
+    return lines
+
+
 def pr_diff(patch: Patch, series: Series, pristine_root: Path) -> str:
     out: list[str] = []
+    deps = dependencies(patch, series)
     for d in patch.diffs:
-        old = read_lines(pristine_root / d.path)
+        old = _base_lines(d.path, deps, pristine_root)
         new = apply_hunks(old, d.hunks)
         if new is None:
             earlier = [
@@ -38,7 +67,7 @@ def pr_diff(patch: Patch, series: Series, pristine_root: Path) -> str:
             raise SystemExit(
                 f"{patch.name}: its hunks on {d.path} do not apply to pristine vLLM alone; "
                 f"they build on {', '.join(earlier) or 'nothing in the series (drift?)'}. "
-                "Export those first, or rebase this patch onto pristine."
+                "Name them in its Depends: field (a stacked PR), or rebase it onto pristine."
             )
         out += _file_diff(d.path, old, new)
     for rel in patch.listed("Overlay") + patch.listed("Tests"):
@@ -50,6 +79,8 @@ def pr_description(patch: Patch) -> str:
     base = load_base()
     meta = [f"- {k}: {patch.fields[k]}" for k in ("Bug", "Bug-hybridkv", "Origin", "Forwarded")
             if patch.fields.get(k)]
+    if patch.listed("Depends"):
+        meta.append(f"- Depends on (land first): {', '.join(patch.listed('Depends'))}")
     return (
         f"# {patch.subject}\n\n{patch.body}\n\n"
         f"---\nBased on vLLM {base.version}; exported from the hybridkv series "

@@ -86,6 +86,9 @@ def static_problems(repo: Path = REPO) -> list[str]:
         for key in REQUIRED_FIELDS:
             if not p.fields.get(key):
                 problems.append(f"patches/{e}: header field {key}: is missing")
+        for dep in p.listed("Depends"):
+            if dep not in entries[: entries.index(e)]:
+                problems.append(f"patches/{e}: Depends: {dep} is not an earlier patch of the series")
         if not (p.fields.get("Bug") or p.fields.get("Bug-hybridkv")):
             problems.append(f"patches/{e}: needs a Bug: or Bug-hybridkv: field")
         if p.fields.get("Upstream-Base") not in (None, base.version):

@@ -14,7 +14,7 @@ import pytest
 
 from hybridkv.base import REPO, downloads_dir, load_base
 from hybridkv.devtree import dev, refresh
-from hybridkv.export import pr_description, pr_diff
+from hybridkv.export import dependencies, pr_description, pr_diff
 from hybridkv.series import load_series, static_problems
 from hybridkv.wheel import build
 
@@ -49,11 +49,20 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
     for patch in series.patches:
         diff = pr_diff(patch, series, pristine_root)
         tree = tmp_path / patch.name.replace("/", "_")
-        for d in patch.diffs:
-            (tree / d.path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(pristine_root / d.path, tree / d.path)
+        stack = dependencies(patch, series)
+        for p in [*stack, patch]:
+            for d in p.diffs:
+                (tree / d.path).parent.mkdir(parents=True, exist_ok=True)
+                if not (tree / d.path).exists():
+                    shutil.copyfile(pristine_root / d.path, tree / d.path)
+        # A stacked PR applies once the PRs it names in Depends: have landed.
+        for dep in stack:
+            (tree / "dep.diff").write_text(pr_diff(dep, series, pristine_root))
+            subprocess.run(["git", "apply", "dep.diff"], cwd=tree, check=True)
         (tree / "pr.diff").write_text(diff)
         subprocess.run(["git", "apply", "--check", "pr.diff"], cwd=tree, check=True)
+        if stack:
+            assert "Depends on (land first)" in pr_description(patch)
         for rel in patch.listed("Overlay") + patch.listed("Tests"):
             assert f"+++ b/{rel}" in diff
         desc = pr_description(patch)
