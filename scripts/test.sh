@@ -13,6 +13,10 @@ py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from an
 printf '\n== hybridkv tests (tests/)\n'
 "$py" -m pytest tests -q -p no:cacheprovider "$@"
 
+printf '\n== Triton kernels under the CPU interpreter (tests/kernels)\n'
+# Its own process: the interpreter must be chosen before Triton and vLLM load.
+HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
+
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
 mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)

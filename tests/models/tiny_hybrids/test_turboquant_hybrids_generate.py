@@ -11,7 +11,7 @@ The whole matrix, in parallel and with KV-token counts, is
 
 import pytest
 
-from .turboquant_matrix import MODELS, PRESETS, run_one
+from .turboquant_matrix import MODELS, PADDED, PRESETS, run_one
 
 
 @pytest.mark.gpu
@@ -24,3 +24,16 @@ def test_tiny_hybrid_turboquant_generates(name, kv_cache_dtype, mtp, tmp_path):
     assert result["rc"] == 0, result["log_tail"]
     assert result["lengths"] == [24] * 4
     assert result["kv_tokens"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config", PADDED, ids=["tq-boundary1", "tq-boundary1-mtp", "dense-draft", "tq-dense-draft"]
+)
+def test_tiny_hybrid_with_padded_pages_generates(config, tmp_path):
+    name, kv_cache_dtype, mtp, extra = config
+    result = run_one(name, kv_cache_dtype, mtp, tmp_path, extra)
+    print(result)
+    assert result["rc"] == 0, result["log_tail"]
+    assert result["lengths"] == [24] * 4
+    assert any("KV cache pages unified" in line for line in result["planner_lines"])

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Padded attention pages in the runner (patch 0004).
+
+- A padded page is never split into kernel blocks: kernel block ``j`` of page
+  ``i`` would be addressed as ``i * blocks_per_page + j`` with the unpadded
+  stride and run into the padding. Pristine 0.20.2 splits it silently.
+- The view of a padded cache keeps each block's data inside its own page for
+  block-first layouts (TurboQuant, Triton) and for FlashAttention's
+  ``(2, num_blocks, ...)``, where pristine's padded branch strided the K/V
+  dimension by the page instead.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.worker.utils import prepare_kernel_block_sizes
+
+pytestmark = pytest.mark.cpu_test
+
+
+class _SmallKernelBlocks:
+    """A backend whose kernels take 16-64 token blocks only (TurboQuant 0.20.2)."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [16, 32, 64]
+
+    @staticmethod
+    def get_name():
+        return "SMALL_BLOCKS"
+
+
+class _AnyMultipleOf16:
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [MultipleOf(16)]
+
+    @staticmethod
+    def get_name():
+        return "ANY_16"
+
+
+def _config(spec):
+    return KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=["l0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+
+
+def _padded(block_size=96):
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+        page_size_padded=spec.page_size_bytes + 4096,
+    )
+
+
+def test_padded_page_is_not_split_into_kernel_blocks():
+    spec = _padded()
+    groups = [[SimpleNamespace(backend=_SmallKernelBlocks)]]
+    with pytest.raises(ValueError, match=r"padded pages .*SMALL_BLOCKS.*kernel blocks of 32 tokens"):
+        prepare_kernel_block_sizes(_config(spec), groups)
+
+
+def test_padded_page_is_one_kernel_block_when_the_backend_allows():
+    spec = _padded()
+    groups = [[SimpleNamespace(backend=_AnyMultipleOf16)]]
+    assert prepare_kernel_block_sizes(_config(spec), groups) == [spec.block_size]
+
+
+@pytest.mark.parametrize(
+    "shape, block_dim",
+    [
+        ((2, 3, 16, 2, 8), 1),  # FlashAttention: (2, num_blocks, block, heads, dim)
+        ((3, 2, 16, 2, 8), 0),  # Triton attention: (num_blocks, 2, ...)
+        ((3, 16, 2, 24), 0),  # TurboQuant: (num_blocks, block, heads, slot)
+    ],
+)
+def test_padded_view_keeps_each_block_inside_its_page(shape, block_dim):
+    from vllm.v1.worker.kv_cache_padded_views import padded_page_view
+
+    num_blocks = shape[block_dim]
+    real = torch.Size(shape).numel() // num_blocks
+    page = real + 40
+    raw = torch.full((num_blocks * page,), -1.0)
+    view = padded_page_view(raw, shape, block_dim, page)
+    view.copy_(torch.arange(view.numel(), dtype=raw.dtype).view(shape))
+    pages = raw.view(num_blocks, page)
+    assert (pages[:, real:] == -1).all(), "data written into padding"
+    for b in range(num_blocks):
+        block = view.select(block_dim, b)
+        assert torch.equal(pages[b, :real].sort().values, block.flatten().sort().values)
+
+
+@pytest.mark.gpu
+def test_flash_attention_reads_a_padded_cache_like_a_contiguous_one():
+    """FlashAttention over the padded view gives the contiguous cache's result."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+    from vllm.v1.worker.kv_cache_padded_views import padded_page_view
+
+    torch.manual_seed(0)
+    num_blocks, block, heads, dim, q_heads = 8, 32, 2, 128, 8
+    shape = (2, num_blocks, block, heads, dim)
+    real = 2 * block * heads * dim
+    page = real + 1024
+    raw = torch.zeros(num_blocks * page, dtype=torch.bfloat16, device="cuda")
+    padded = padded_page_view(raw, shape, 1, page)
+    padded.copy_(torch.randn(shape, dtype=torch.bfloat16, device="cuda"))
+    contiguous = padded.contiguous()
+    seq_lens = torch.tensor([70, 200], dtype=torch.int32, device="cuda")
+    block_table = torch.tensor([[5, 1, 7, 0, 0, 0, 0], [2, 4, 6, 3, 0, 1, 7]], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, q_heads, dim, dtype=torch.bfloat16, device="cuda")  # one decode token each
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    outs = []
+    for kv in (padded, contiguous):
+        k, v = kv.unbind(0)
+        outs.append(
+            flash_attn_varlen_func(
+                q=q, k=k, v=v, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
+                max_seqlen_k=200, softmax_scale=dim**-0.5, causal=True, block_table=block_table,
+            )
+        )
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
