@@ -189,6 +189,8 @@ def mamba_spec(vllm_config: Any) -> Any:
         dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
         block_size=cache_config.mamba_block_size,
         page_size_padded=cache_config.mamba_page_size_padded,
+        # Only labels the group here (the page size comes from shapes/dtypes);
+        # the Qwen3.5/3.6/Next layers are Gated DeltaNet.
         mamba_type="gdn_attention" if "qwen3" in model_config.hf_text_config.model_type else "mamba2",
         mamba_cache_mode=cache_config.mamba_cache_mode,
         num_speculative_blocks=spec_config.num_speculative_tokens if spec_config else 0,

@@ -55,7 +55,7 @@ BOUNDARY_PREFIX = "boundary:"
 DEFAULT_BOUNDARY_DENSE = 2
 DEFAULT_BOUNDARY_HYBRID = 0
 
-_ATTENTION_TYPES = {"full_attention", "attention", "sliding_attention", "hybrid"}
+_ATTENTION_TYPES = {"full_attention", "attention", "sliding_attention"}
 _SLIDING_TYPES = {"sliding_attention"}
 
 
