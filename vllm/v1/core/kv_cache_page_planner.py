@@ -127,21 +127,24 @@ def plan_hybrid_page(
     )
 
 
-def attention_bytes_per_token(vllm_config: "VllmConfig") -> Counter[int]:
-    """What each loaded attention layer (main model and drafter) stores per
-    token, from the layer's own KV-cache spec."""
+def loaded_layer_pages(vllm_config: "VllmConfig") -> tuple[Counter[int], int]:
+    """From the loaded layers (main model and drafter): what each attention
+    layer stores per token, from its own KV-cache spec, and how many layers
+    hold Mamba state."""
     from vllm.config.vllm import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    counts: Counter[int] = Counter()
+    per_token: Counter[int] = Counter()
+    num_mamba = 0
     layers = get_layers_from_vllm_config(
         vllm_config,
         AttentionLayerBase,  # type: ignore[type-abstract]
     )
     for layer in layers.values():
         if layer.get_attn_backend().is_ssm():
+            num_mamba += 1
             continue
         if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
             continue
@@ -150,19 +153,8 @@ def attention_bytes_per_token(vllm_config: "VllmConfig") -> Counter[int]:
         spec = layer.get_kv_cache_spec(vllm_config)
         if isinstance(spec, AttentionSpec):
             one_token = replace(spec, block_size=1, page_size_padded=None)
-            counts[one_token.page_size_bytes] += 1
-    return counts
-
-
-def count_mamba_layers(vllm_config: "VllmConfig") -> int:
-    from vllm.config.vllm import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    layers = get_layers_from_vllm_config(
-        vllm_config,
-        AttentionLayerBase,  # type: ignore[type-abstract]
-    )
-    return max(1, sum(1 for layer in layers.values() if layer.get_attn_backend().is_ssm()))
+            per_token[one_token.page_size_bytes] += 1
+    return per_token, num_mamba
 
 
 def apply_hybrid_page_plan(
@@ -183,12 +175,13 @@ def apply_hybrid_page_plan(
     """
     cache_config = vllm_config.cache_config
     model_config = vllm_config.model_config
-    if per_token is None:
-        per_token = attention_bytes_per_token(vllm_config)
+    if per_token is None or num_mamba_layers is None:
+        loaded_per_token, loaded_mamba = loaded_layer_pages(vllm_config)
+        per_token = loaded_per_token if per_token is None else per_token
+        num_mamba_layers = loaded_mamba if num_mamba_layers is None else num_mamba_layers
     if not per_token:
         per_token = {fallback_bytes_per_token: 1}
-    if num_mamba_layers is None:
-        num_mamba_layers = count_mamba_layers(vllm_config)
+    num_mamba_layers = max(1, num_mamba_layers)
 
     alignment = kernel_block_alignment_size
     if cache_config.mamba_cache_mode == "all":
