@@ -13,9 +13,9 @@ The planner module is loaded from this repository when the installed vLLM
 has none, and then applies 0.20.2's own rules.
 """
 
-import argparse
 import importlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -51,10 +51,10 @@ def models(tmp_path_factory):
 
 
 def plan(model: str, **kw):
-    args = capacity.add_arguments(argparse.ArgumentParser()).parse_args([model, "--max-model-len", "0"])
-    for key, value in kw.items():
-        setattr(args, key, value)
-    report = capacity.plan(args)
+    kw.setdefault("max_model_len", 4096)
+    if "kv_cache_dtype_skip_layers" in kw:
+        kw["kv_cache_dtype_skip_layers"] = tuple(kw["kv_cache_dtype_skip_layers"])
+    report = capacity.plan_capacity(capacity.CapacityRequest(model=model, **kw))
     print(capacity.format_report(report))
     return report
 
@@ -128,3 +128,90 @@ def test_qwen3_4b_dense_control(models):
     assert report.error is None, report.error
     assert report.padding_fraction == 0
     assert report.layer_dtypes == {"auto": 4, "turboquant_4bit_nc": 32}
+
+
+def test_attention_backend_per_layer_kind_on_cuda(models):
+    """Each layer kind gets what CUDA's selection picks on the target GPU."""
+    report = plan(
+        models["Qwen3.6-27B"],
+        kv_cache_dtype="turboquant_4bit_nc",
+        kv_cache_dtype_skip_layers=["boundary:1"],
+        **QWEN36,
+    )
+    assert report.error is None, report.error
+    assert report.device_capability == "9.0"
+    assert report.attention_backends == {
+        "full attention, head_size 256, KV auto": "FLASH_ATTN",
+        "full attention, head_size 256, KV turboquant_4bit_nc": "TURBOQUANT",
+    }
+    assert not report.backend_errors
+    text = capacity.format_report(report)
+    assert "attention backends on CUDA SM 9.0:" in text
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"tensor_parallel_size": 0}, "--tensor-parallel-size 0: must be greater than 0"),
+        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization 1.5: must be in (0, 1]"),
+        ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization 0.0: must be in (0, 1]"),
+        ({"weights_gib": -50}, "--weights-gib -50: must be greater than 0"),
+        ({"gpu_memory_gib": 0}, "--gpu-memory-gib 0: must be greater than 0"),
+        ({"overhead_gib": -1}, "--overhead-gib -1: must be 0 or more"),
+        ({"weights_gib": 100}, "nothing left for the KV cache"),
+        ({"max_model_len": 0}, "--max-model-len 0: must be greater than 0"),
+        ({"num_speculative_tokens": -1}, "--num-speculative-tokens -1"),
+        ({"device_capability": "ninety"}, "--device-capability ninety: expected"),
+        ({"kv_cache_memory_bytes": 0}, "--kv-cache-memory-bytes 0: must be greater than 0"),
+        ({"gpu_memory_gib": None}, "no memory to plan with"),
+    ],
+)
+def test_bad_inputs_are_named(models, kw, expected):
+    request = {**QWEN36, **kw}
+    with pytest.raises(capacity.CapacityInputError) as e:
+        plan(models["Qwen3.6-27B"], **request)
+    assert expected in str(e.value)
+
+
+def test_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(capacity.CapacityInputError, match="no such directory"):
+        plan(str(tmp_path / "nope"), kv_cache_memory_bytes=GIB)
+    with pytest.raises(capacity.CapacityInputError, match="has no config.json"):
+        plan(str(tmp_path), kv_cache_memory_bytes=GIB)
+
+
+def test_tensor_parallel_must_shard_kv_heads(tmp_path, models):
+    """12 query heads shard over 3 GPUs, 4 KV heads neither shard nor replicate."""
+    config = json.loads((Path(models["Qwen3-4B"]) / "config.json").read_text())
+    config.update(num_attention_heads=12, num_key_value_heads=4, hidden_size=1536)
+    config.update(intermediate_size=4608, num_hidden_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(capacity.CapacityInputError) as e:
+        plan(str(tmp_path), tensor_parallel_size=3, kv_cache_memory_bytes=GIB)
+    assert "num_key_value_heads=4" in str(e.value)
+    assert "Sizes that shard evenly: 1, 2, 4" in str(e.value)
+    assert plan(str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=GIB).kv_tokens
+
+
+def test_tensor_parallel_must_shard_gdn_dims(models):
+    with pytest.raises(capacity.CapacityInputError) as e:
+        plan(models["Qwen3.6-27B"], tensor_parallel_size=3, kv_cache_memory_bytes=GIB)
+    assert "linear_num_key_heads=16" in str(e.value)
+
+
+def test_skip_layer_index_past_the_last_layer(models):
+    with pytest.raises(capacity.CapacityInputError, match="has 64 layers"):
+        plan(
+            models["Qwen3.6-27B"],
+            kv_cache_dtype="turboquant_4bit_nc",
+            kv_cache_dtype_skip_layers=["99"],
+            **QWEN36,
+        )
+
+
+def test_engine_refusal_keeps_the_whole_cause(models):
+    """Text mode shows every line of the engine's error, not just the first."""
+    report = plan(models["Qwen3-4B"], max_model_len=10**9, kv_cache_memory_bytes=GIB)
+    assert report.error.startswith("engine configuration: ValidationError")
+    text = capacity.format_report(report)
+    assert "max_model_len (1000000000) is greater than the derived" in text
