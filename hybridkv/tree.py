@@ -11,10 +11,12 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
-import importlib.util
 import io
 import json
+import os
 import re
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,18 +53,29 @@ class Plan:
     results: list[PatchResult]
     files: dict[str, list[str]]  # path -> new content lines, for files that change
     overlay: dict[str, bytes]
+    problems: list[str] = field(default_factory=list)
+    """Tree-wide failures: stale overlay files, a missing or stale manifest."""
 
     @property
     def ok(self) -> bool:
-        return all(r.status != "FAILED" for r in self.results)
+        return not self.problems and all(r.status != "FAILED" for r in self.results)
 
 
-def installed_root() -> Path:
-    """site-packages dir holding the vllm package of this interpreter (not imported)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise Refusal("no installed vllm found for this Python; install vllm==0.20.2 first")
-    return Path(list(spec.submodule_search_locations)[0]).parent
+def installed_root(search_path: list[str] | None = None) -> Path:
+    """site-packages dir holding the installed vllm of this interpreter (not imported).
+
+    Only directories that carry vLLM's dist-info count as an install: a
+    ``vllm/`` folder in the working directory (this repository's overlay, or a
+    source checkout) is not one, though ``import vllm`` there would find it.
+    """
+    for entry in sys.path if search_path is None else search_path:
+        root = Path(entry or os.getcwd())
+        if (root / "vllm" / "__init__.py").is_file() and dist_info(root) is not None:
+            return root.resolve()
+    raise Refusal(
+        "no installed vllm found for this Python (a directory on sys.path holding "
+        "vllm/ and vllm-*.dist-info); install vllm==0.20.2 first"
+    )
 
 
 def dist_info(root: Path) -> Path | None:
@@ -190,7 +203,9 @@ def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
         contents.update(new_contents)
         changed.update(new_contents)
     overlay = _plan_overlay(root, series, results)
-    return Plan(root, version, results, {p: contents[p] for p in changed}, overlay)
+    pl = Plan(root, version, results, {p: contents[p] for p in changed}, overlay)
+    pl.problems = _check_installed_state(pl, series, base)
+    return pl
 
 
 def _explain(lines: list[str], path: str, hunks) -> tuple[str, ...]:
@@ -212,14 +227,49 @@ def _plan_overlay(root: Path, series: Series, results: list[PatchResult]) -> dic
         ours = set(json.loads(m.read_text()).get("overlay", []))
     overlay = {}
     for res in results:
+        applied = res.status in ("ALREADY-APPLIED", "UPSTREAMED")
         for rel in res.patch.listed("Overlay"):
             data = (series.repo / rel).read_bytes()
             target = root / rel
-            if target.exists() and rel not in ours and target.read_bytes() != data:
+            if applied and not target.exists():
+                # Its hooks are in place and import this module.
+                res.fail("overlay-missing", f"{rel}: not in {root}; run `hybridkv apply` again")
+            elif applied and target.read_bytes() != data:
+                res.fail("overlay-modified",
+                         f"{rel}: sha256 {hashlib.sha256(target.read_bytes()).hexdigest()}, "
+                         f"the series ships {hashlib.sha256(data).hexdigest()}")
+            elif target.exists() and rel not in ours and target.read_bytes() != data:
                 res.fail("overlay-shadows-upstream",
                          f"{rel}: vLLM already has this file; an overlay must be a new file")
             overlay[rel] = data
     return overlay
+
+
+def _check_installed_state(pl: Plan, series: Series, base: Base) -> list[str]:
+    """Overlay files and manifest of a tree the series was applied to."""
+    m = pl.root / MANIFEST
+    applied = [r for r in pl.results if r.status in ("ALREADY-APPLIED", "UPSTREAMED")]
+    if not m.exists():
+        if applied and len(applied) == len(pl.results):
+            return [f"manifest-missing: {MANIFEST}: not in {pl.root}, though every patch "
+                    "is applied (an interrupted apply?); run `hybridkv apply` again"]
+        return []
+    try:
+        recorded = json.loads(m.read_text())
+    except ValueError as e:
+        return [f"manifest-unreadable: {MANIFEST}: {e}; run `hybridkv apply` again"]
+    problems = []
+    shipped = set(series.overlay_files())
+    for rel in sorted(set(recorded.get("overlay", [])) - shipped):
+        if (pl.root / rel).exists():
+            problems.append(f"overlay-extra: {rel}: an earlier release's overlay file that "
+                            "this series does not ship; reinstall vLLM from the new wheel")
+    if len(applied) == len(pl.results) and recorded != manifest(series, base):
+        problems.append(f"manifest-stale: {MANIFEST} does not describe this series "
+                        f"(it says release {recorded.get('release')}, patches "
+                        f"{[p.get('name') for p in recorded.get('patches', [])]}); "
+                        "run `hybridkv apply` again")
+    return problems
 
 
 def manifest(series: Series, base: Base) -> dict:
@@ -248,13 +298,63 @@ def rendered_files(pl: Plan, series: Series, base: Base) -> dict[str, bytes]:
     return out
 
 
+class ApplyError(SystemExit):
+    """A write failed; the tree was restored as it was."""
+
+
+def _stage(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+
+
+def _commit(staged: Path, target: Path) -> None:
+    os.replace(staged, target)
+
+
 def write(pl: Plan, series: Series, base: Base) -> None:
+    """Write every file of the series, or none: stage each beside its target,
+    then move them into place; on any failure, put back what was there."""
     files = rendered_files(pl, series, base)
-    for rel, data in files.items():
-        target = pl.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    _update_record(pl.root, files)
+    record = _updated_record(pl.root, files)
+    if record is not None:
+        files[record[0]] = record[1]
+    made_dirs: list[Path] = []
+    staged: dict[str, Path] = {}
+    kept: dict[str, Path] = {}
+    done: list[str] = []
+    try:
+        for rel, data in files.items():
+            target = pl.root / rel
+            missing = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
+            for d in reversed(missing):
+                d.mkdir()
+                made_dirs.append(d)
+            staged[rel] = target.with_name(f".{target.name}.hybridkv-new")
+            _stage(staged[rel], data)
+        for rel in files:
+            target = pl.root / rel
+            if target.exists():
+                kept[rel] = target.with_name(f".{target.name}.hybridkv-old")
+                shutil.copy2(target, kept[rel])
+            _commit(staged[rel], target)
+            del staged[rel]
+            done.append(rel)
+    except OSError as e:
+        for rel in reversed(done):
+            target = pl.root / rel
+            if rel in kept:
+                os.replace(kept.pop(rel), target)
+            else:
+                target.unlink()
+        for path in [*staged.values(), *kept.values()]:
+            path.unlink(missing_ok=True)
+        for d in reversed(made_dirs):
+            d.rmdir()
+        raise ApplyError(
+            f"apply failed writing into {pl.root}: {e}. Nothing was changed; fix the "
+            "cause (permissions, disk space) and run it again."
+        ) from e
+    for path in kept.values():
+        path.unlink()
 
 
 def record_hash(data: bytes) -> str:
@@ -262,11 +362,11 @@ def record_hash(data: bytes) -> str:
     return f"sha256={digest}"
 
 
-def _update_record(root: Path, files: dict[str, bytes]) -> None:
+def _updated_record(root: Path, files: dict[str, bytes]) -> tuple[str, bytes] | None:
     # Keep pip's RECORD true, so `pip uninstall vllm` also removes our overlay files.
     d = dist_info(root)
     if d is None or not (d / "RECORD").exists():
-        return
+        return None
     rows = list(csv.reader(io.StringIO((d / "RECORD").read_text())))
     index = {r[0]: i for i, r in enumerate(rows) if r}
     for rel, data in files.items():
@@ -277,7 +377,7 @@ def _update_record(root: Path, files: dict[str, bytes]) -> None:
             rows.append(row)
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
-    (d / "RECORD").write_text(buf.getvalue())
+    return str((d / "RECORD").relative_to(root)), buf.getvalue().encode()
 
 
 def report(pl: Plan, verbose: bool = False, out=print) -> int:
@@ -289,6 +389,8 @@ def report(pl: Plan, verbose: bool = False, out=print) -> int:
                 out(f"{'':<{STATUS_WIDTH}}   {d}")
             if verbose:
                 out(f"{'':<{STATUS_WIDTH}}   {res.patch.subject}")
+    for problem in pl.problems:
+        out(f"{'FAILED':<{STATUS_WIDTH}} {problem}")
     if pl.ok:
         out(f"Passed validation ({len(pl.results)} patches) on vLLM {pl.version} at {pl.root}")
         return 0
