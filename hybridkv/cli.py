@@ -7,6 +7,8 @@
     hybridkv export PATCH [--out DIR]
     hybridkv dev [DIR] / hybridkv refresh [DIR]
     hybridkv report                 what the installed vLLM is, and which patches it carries
+    hybridkv prefix-test [PATCH...] [-- PYTEST-ARGS]   each patch's tests with patches 1..N only
+    hybridkv lint                   ruff (vLLM 0.20.2's config) over overlay, tests, added lines
 """
 
 from __future__ import annotations
@@ -107,6 +109,20 @@ def cmd_refresh(args) -> int:
     return 0 if _static_ok() else 1
 
 
+def cmd_prefix_test(args) -> int:
+    from hybridkv.prefix import run
+
+    _ensure_pristine()
+    return run(load_series(), args.patches, args.pytest_args)
+
+
+def cmd_lint(args) -> int:
+    from hybridkv.lint import lint
+
+    _ensure_pristine()
+    return lint(load_series())
+
+
 def cmd_report(args) -> int:
     b = base_mod.load_base()
     try:
@@ -155,7 +171,19 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
     sub.add_parser("report", help="report the installed vLLM and its patches").set_defaults(
         func=cmd_report)
+    p = sub.add_parser("prefix-test",
+                       help="run each patch's tests on pristine vLLM with patches 1..N applied")
+    p.add_argument("patches", nargs="*", help="only these patches (name, file or number)")
+    p.set_defaults(func=cmd_prefix_test, pytest_args=[])
+    sub.add_parser("lint", help="ruff check + format, vLLM 0.20.2's config").set_defaults(
+        func=cmd_lint)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args: list[str] = []
+    if "--" in argv:
+        argv, pytest_args = argv[: argv.index("--")], argv[argv.index("--") + 1:]
     args = ap.parse_args(argv)
+    if pytest_args:
+        args.pytest_args = pytest_args
     try:
         return args.func(args)
     except SystemExit as e:

@@ -81,10 +81,16 @@ def pr_description(patch: Patch) -> str:
             if patch.fields.get(k)]
     if patch.listed("Depends"):
         meta.append(f"- Depends on (land first): {', '.join(patch.listed('Depends'))}")
+    author = patch.fields.get("From") or patch.fields.get("Author")
+    if not author:
+        raise SystemExit(
+            f"{patch.name}: no From: field; vLLM requires a DCO Signed-off-by line, "
+            "which names the author. Add `From: Name <email>` to the patch header."
+        )
     return (
         f"# {patch.subject}\n\n{patch.body}\n\n"
         f"---\nBased on vLLM {base.version}; exported from the hybridkv series "
-        f"({patch.name}).\n" + "\n".join(meta) + "\n"
+        f"({patch.name}).\n" + "\n".join(meta) + f"\n\nSigned-off-by: {author}\n"
     )
 
 

@@ -68,6 +68,8 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
         desc = pr_description(patch)
         assert desc.startswith(f"# {patch.subject}\n")
         assert re.search(r"^Fixes .*vllm-project/vllm#\d+", desc, re.M)
+        # vLLM's DCO check: the description ends with the author's sign-off.
+        assert desc.rstrip().splitlines()[-1] == f"Signed-off-by: {patch.fields['From']}"
 
 
 def test_dev_then_refresh_reproduces_the_series(tmp_path, pristine_root, series):

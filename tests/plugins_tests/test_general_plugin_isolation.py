@@ -14,6 +14,7 @@ import logging
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
 pytestmark = pytest.mark.cpu_test
 
-SEED_ERROR = "TQ4FullAttentionSpec.__init__() got an unexpected keyword argument 'tq_slot_size'"
+SEED_ERROR = (
+    "TQ4FullAttentionSpec.__init__() got an unexpected keyword argument 'tq_slot_size'"
+)
 
 PLUGIN_MODULE = '''
 import dataclasses
@@ -68,11 +71,14 @@ def install_fake_plugin(path, entry_point: str) -> None:
     info = path / "turboquant_vllm_fake-1.5.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: turboquant-vllm-fake\nVersion: 1.5.0\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent(f"""\
+        "Metadata-Version: 2.1\nName: turboquant-vllm-fake\nVersion: 1.5.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent(f"""\
         [vllm.general_plugins]
         tq4_backend = {entry_point}
-        """))
+        """)
+    )
 
 
 @pytest.fixture
@@ -97,8 +103,12 @@ def fresh_plugins(monkeypatch, tmp_path):
 
 def turboquant_layer():
     return types.SimpleNamespace(
-        attn_type=AttentionType.DECODER, kv_cache_dtype="turboquant_4bit_nc",
-        sliding_window=None, num_kv_heads=2, head_size=128, head_size_v=128,
+        attn_type=AttentionType.DECODER,
+        kv_cache_dtype="turboquant_4bit_nc",
+        sliding_window=None,
+        num_kv_heads=2,
+        head_size=128,
+        head_size_v=128,
         kv_cache_torch_dtype=torch.uint8,
     )
 
@@ -117,7 +127,9 @@ def test_drifted_plugin_is_named_and_vllm_falls_back(fresh_plugins, vllm_logs):
 
     assert type(spec) is TQFullAttentionSpec and spec.tq_slot_size > 0
     text = "\n".join(r.getMessage() for r in vllm_logs.records)
-    assert "general plugin 'tq4_backend'" in text and "turboquant-vllm-fake 1.5.0" in text
+    assert (
+        "general plugin 'tq4_backend'" in text and "turboquant-vllm-fake 1.5.0" in text
+    )
     assert "replaced vLLM core hook" in text and "Attention.get_kv_cache_spec" in text
     assert SEED_ERROR in text and "Falling back to vLLM's own hook" in text
     assert "pip uninstall turboquant-vllm-fake" in text and "VLLM_PLUGINS=" in text
@@ -134,19 +146,31 @@ def test_specs_the_plugin_already_built_are_not_kept(fresh_plugins, vllm_logs):
     config.cache_config.block_size = 16
     # A boundary layer kept at bf16 (the plugin's hook succeeds on it), then a
     # TurboQuant layer (it fails): the first result must not survive.
-    bf16 = types.SimpleNamespace(**{**vars(turboquant_layer()), "kv_cache_dtype": "auto",
-                                    "kv_cache_torch_dtype": torch.bfloat16})
+    bf16 = types.SimpleNamespace(
+        **{
+            **vars(turboquant_layer()),
+            "kv_cache_dtype": "auto",
+            "kv_cache_torch_dtype": torch.bfloat16,
+        }
+    )
     layers = {"layers.0": bf16, "layers.2": turboquant_layer()}
 
     @retry_without_failed_plugins
     def get_kv_cache_spec():  # what GPUModelRunner.get_kv_cache_spec does
-        return {n: Attention.get_kv_cache_spec(layer, config) for n, layer in layers.items()}
+        return {
+            n: Attention.get_kv_cache_spec(layer, config) for n, layer in layers.items()
+        }
 
     specs = get_kv_cache_spec()
 
-    assert type(specs["layers.0"]) is FullAttentionSpec and specs["layers.0"].dtype == torch.bfloat16
+    assert (
+        type(specs["layers.0"]) is FullAttentionSpec
+        and specs["layers.0"].dtype == torch.bfloat16
+    )
     assert type(specs["layers.2"]) is TQFullAttentionSpec
-    assert hasattr(GPUModelRunner.get_kv_cache_spec, "__wrapped__")  # the runner retries too
+    assert hasattr(
+        GPUModelRunner.get_kv_cache_spec, "__wrapped__"
+    )  # the runner retries too
 
 
 def test_drifted_plugin_fails_named_in_strict_mode(fresh_plugins, monkeypatch):
@@ -179,11 +203,15 @@ def test_plugin_that_fails_to_register_is_skipped_and_undone(fresh_plugins, vllm
 def test_plugin_named_in_vllm_plugins_must_register(fresh_plugins, monkeypatch):
     install_fake_plugin(fresh_plugins, "fake_tq4_plugin:register_broken")
     monkeypatch.setenv("VLLM_PLUGINS", "tq4_backend")
-    with pytest.raises(RuntimeError, match=r"failed to register: ImportError.*named in VLLM_PLUGINS"):
+    with pytest.raises(
+        RuntimeError, match=r"failed to register: ImportError.*named in VLLM_PLUGINS"
+    ):
         vllm.plugins.load_general_plugins()
 
 
-def test_a_failure_is_reported_once_per_process_tree(fresh_plugins, vllm_logs, monkeypatch):
+def test_a_failure_is_reported_once_per_process_tree(
+    fresh_plugins, vllm_logs, monkeypatch
+):
     install_fake_plugin(fresh_plugins, "fake_tq4_plugin:register_broken")
     vllm.plugins.load_general_plugins()
     # What an engine-core or worker process inherits from the one that reported.
@@ -195,7 +223,9 @@ def test_a_failure_is_reported_once_per_process_tree(fresh_plugins, vllm_logs, m
 
 
 @pytest.mark.gpu
-def test_tiny_qwen3_with_turboquant_boots_with_the_drifted_plugin(fresh_plugins, monkeypatch):
+def test_tiny_qwen3_with_turboquant_boots_with_the_drifted_plugin(
+    fresh_plugins, monkeypatch
+):
     import os
 
     from tests.models.tiny_hybrids import qwen3_dense
@@ -204,14 +234,43 @@ def test_tiny_qwen3_with_turboquant_boots_with_the_drifted_plugin(fresh_plugins,
     install_fake_plugin(fresh_plugins, "fake_tq4_plugin:register_tq4_backend")
     # The engine core and workers are new processes: they find the plugin the
     # way an installed one is found, through their sys.path.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(fresh_plugins), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(fresh_plugins), os.environ.get("PYTHONPATH", "")]),
+    )
     model = qwen3_dense(fresh_plugins / "qwen3")  # TurboQuant on layers 2 and 3
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-              kv_cache_dtype="turboquant_4bit_nc", max_model_len=512,
-              gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
-    out = llm.generate([{"prompt_token_ids": list(range(10, 42))}],
-                       SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    llm = LLM(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_cache_dtype="turboquant_4bit_nc",
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+        seed=0,
+    )
+    out = llm.generate(
+        [{"prompt_token_ids": list(range(10, 42))}],
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    )
     print(f"with the drifted plugin: generated {out[0].outputs[0].token_ids}")
     assert len(out[0].outputs[0].token_ids) == 16
     del llm
+
+
+def test_isolation_and_hook_watch_import_one_way():
+    """hook_watch builds on isolation; isolation must not import hook_watch back."""
+    import ast
+
+    import vllm.plugins.isolation as isolation
+
+    tree = ast.parse(Path(isolation.__file__).read_text())
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    } | {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    assert "vllm.plugins.hook_watch" not in imported

@@ -43,7 +43,9 @@ class _StandInBackend(CPUAttentionBackend):
 def engine_config(tmp_path, name, **kwargs):
     model = write_full_size_config(name, tmp_path / name)
     kwargs.setdefault("max_model_len", 4096)
-    args = EngineArgs(model=str(model), skip_tokenizer_init=True, load_format="dummy", **kwargs)
+    args = EngineArgs(
+        model=str(model), skip_tokenizer_init=True, load_format="dummy", **kwargs
+    )
     return args.create_engine_config()
 
 
@@ -62,21 +64,34 @@ def attention(vllm_config, prefix, num_kv_heads, head_size, **kwargs):
     return layer, layer.get_kv_cache_spec(vllm_config)
 
 
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", TQ, "turboquant_k3v4_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize(
+    "preset", ["turboquant_k8v4", TQ, "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+)
 def test_qwen3_6_27b_accepts_turboquant(tmp_path, preset):
     """#41560: pristine refuses hybrids with NotImplementedError."""
-    config = engine_config(tmp_path, "Qwen3.6-27B", kv_cache_dtype=preset, language_model_only=True)
+    config = engine_config(
+        tmp_path, "Qwen3.6-27B", kv_cache_dtype=preset, language_model_only=True
+    )
     # Default for GDN hybrids: no boundary layers, every attention layer quantized.
     assert config.cache_config.kv_cache_dtype_skip_layers == []
 
 
 def test_boundary_counts_attention_layers(tmp_path):
     config = engine_config(
-        tmp_path, "Qwen3.6-27B", kv_cache_dtype=TQ, language_model_only=True,
+        tmp_path,
+        "Qwen3.6-27B",
+        kv_cache_dtype=TQ,
+        language_model_only=True,
         kv_cache_dtype_skip_layers=["boundary:2"],
     )
     # Attention layers are 3, 7, ..., 63: the first two and last two of them.
-    assert config.cache_config.kv_cache_dtype_skip_layers == ["3", "7", "59", "63", "boundary:2"]
+    assert config.cache_config.kv_cache_dtype_skip_layers == [
+        "3",
+        "7",
+        "59",
+        "63",
+        "boundary:2",
+    ]
 
 
 def test_dense_default_is_unchanged(tmp_path):
@@ -96,7 +111,9 @@ def test_mtp_layer_does_not_alias_layer_0(tmp_path):
 
 
 def test_draft_layers_can_be_kept_at_model_dtype(tmp_path):
-    config = engine_config(tmp_path, "Qwen3-4B", kv_cache_dtype=TQ, kv_cache_dtype_skip_layers=["draft"])
+    config = engine_config(
+        tmp_path, "Qwen3-4B", kv_cache_dtype=TQ, kv_cache_dtype_skip_layers=["draft"]
+    )
     mtp, _ = attention(config, "mtp.layers.0.self_attn.attn", 8, 128)
     main, _ = attention(config, "model.layers.5.self_attn.attn", 8, 128)
     assert (mtp.kv_cache_dtype, main.kv_cache_dtype) == ("auto", TQ)
@@ -105,9 +122,13 @@ def test_draft_layers_can_be_kept_at_model_dtype(tmp_path):
 def test_gemma4_sliding_layers_keep_model_dtype(tmp_path):
     """Pristine: a TurboQuant sliding layer became SlidingWindowSpec(uint8),
     sized as an unpacked cache, on a backend with no window support."""
-    config = engine_config(tmp_path, "Gemma-4-31B", kv_cache_dtype=TQ, tensor_parallel_size=4)
+    config = engine_config(
+        tmp_path, "Gemma-4-31B", kv_cache_dtype=TQ, tensor_parallel_size=4
+    )
     assert "sliding_window" in config.cache_config.kv_cache_dtype_skip_layers
-    layer, spec = attention(config, "model.layers.2.self_attn.attn", 4, 256, per_layer_sliding_window=1024)
+    layer, spec = attention(
+        config, "model.layers.2.self_attn.attn", 4, 256, per_layer_sliding_window=1024
+    )
     assert isinstance(spec, SlidingWindowSpec) and spec.dtype == torch.bfloat16
     full, full_spec = attention(config, "model.layers.5.self_attn.attn", 1, 512)
     assert isinstance(full_spec, TQFullAttentionSpec) and full_spec.tq_slot_size == 518
@@ -115,9 +136,19 @@ def test_gemma4_sliding_layers_keep_model_dtype(tmp_path):
 
 def test_bad_skip_entries_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"'boundary:x'.*boundary:N"):
-        engine_config(tmp_path, "Qwen3-4B", kv_cache_dtype=TQ, kv_cache_dtype_skip_layers=["boundary:x"])
+        engine_config(
+            tmp_path,
+            "Qwen3-4B",
+            kv_cache_dtype=TQ,
+            kv_cache_dtype_skip_layers=["boundary:x"],
+        )
     with pytest.raises(ValueError, match=r"'first2' is not understood"):
-        engine_config(tmp_path, "Qwen3-4B", kv_cache_dtype=TQ, kv_cache_dtype_skip_layers=["first2"])
+        engine_config(
+            tmp_path,
+            "Qwen3-4B",
+            kv_cache_dtype=TQ,
+            kv_cache_dtype_skip_layers=["first2"],
+        )
 
 
 def test_dtype_map_is_logged_once(tmp_path, caplog_vllm):

@@ -26,11 +26,24 @@ real_find_spec = importlib.util.find_spec
 @pytest.fixture
 def flashinfer_installed_without_cubins(monkeypatch, tmp_path):
     """FlashInfer importable and nvcc present, in a PATH that holds nothing else."""
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        object() if name == "flashinfer"
-        else None if name == "flashinfer_cubin" else real_find_spec(name, *a)))
-    monkeypatch.setattr(shutil, "which", lambda cmd, mode=1, path=None: (
-        "/usr/local/cuda/bin/nvcc" if cmd == "nvcc" else real_which(cmd, mode, path)))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            object()
+            if name == "flashinfer"
+            else None
+            if name == "flashinfer_cubin"
+            else real_find_spec(name, *a)
+        ),
+    )
+    monkeypatch.setattr(
+        shutil,
+        "which",
+        lambda cmd, mode=1, path=None: (
+            "/usr/local/cuda/bin/nvcc" if cmd == "nvcc" else real_which(cmd, mode, path)
+        ),
+    )
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("VLLM_HAS_FLASHINFER_CUBIN", raising=False)
     flashinfer.has_flashinfer.cache_clear()
@@ -44,8 +57,9 @@ def run_flashinfer_jit() -> str:
     """What FlashInfer's JIT does first when vLLM picks it: run ninja from PATH."""
     if not flashinfer.has_flashinfer():
         return "not used"
-    return subprocess.run(["ninja", "--version"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["ninja", "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_ninja_package_off_path_is_put_on_path(flashinfer_installed_without_cubins):
@@ -62,7 +76,9 @@ def test_no_ninja_at_all_disables_the_jit_with_one_warning(
 
     # pristine: FileNotFoundError: [Errno 2] No such file or directory: 'ninja'
     assert run_flashinfer_jit() == "not used"
-    (warning,) = [r.getMessage() for r in caplog_vllm.records if r.levelname == "WARNING"]
+    (warning,) = [
+        r.getMessage() for r in caplog_vllm.records if r.levelname == "WARNING"
+    ]
     assert "FlashInfer kernels are disabled" in warning and "ninja" in warning
     assert "pip install ninja" in warning
 
@@ -75,8 +91,11 @@ def test_gdn_prefill_does_not_pick_flashinfer_when_it_is_not_installed(monkeypat
     # Hopper, where "auto" prefers FlashInfer's GDN prefill kernel.
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(current_platform, "is_device_capability", lambda cap: cap == 90)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        None if name == "flashinfer" else real_find_spec(name, *a)))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (None if name == "flashinfer" else real_find_spec(name, *a)),
+    )
     flashinfer.has_flashinfer.cache_clear()
     try:
         with set_current_vllm_config(VllmConfig()):

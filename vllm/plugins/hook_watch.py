@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Notice when a general plugin replaces a vLLM core hook, and name it when that hook fails.
+"""Notice when a general plugin replaces a vLLM core hook; name it when that fails.
 
 Out-of-tree plugins monkey-patch vLLM internals (the KV-cache spec of attention
 layers, backend selection, the spec-to-manager registry). When vLLM moves on,
@@ -29,11 +29,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.plugins.isolation import PluginError, PluginInfo, report_once, required
+from vllm.logger import init_logger
+from vllm.plugins.isolation import (
+    STRICT_ENV,
+    PluginError,
+    PluginInfo,
+    plugin_info,
+    report_once,
+    required,
+)
+
+logger = init_logger(__name__)
 
 # (module, class or None, attribute): the hooks plugins are known to replace.
 WATCHED_HOOKS: list[tuple[str, str | None, str]] = [
-    ("vllm.model_executor.layers.attention.attention", "Attention", "get_kv_cache_spec"),
+    (
+        "vllm.model_executor.layers.attention.attention",
+        "Attention",
+        "get_kv_cache_spec",
+    ),
     ("vllm.v1.attention.selector", None, "get_attn_backend"),
     ("vllm.v1.attention.selector", None, "_cached_get_attn_backend"),
     ("vllm.v1.kv_cache_interface", None, "FullAttentionSpec"),
@@ -107,7 +121,9 @@ class HookWatch:
                 continue
             owner = getattr(mod, owner_name) if owner_name else mod
             if attr in vars(owner):
-                watch.hooks.append(_Hook(_hook_name(module, owner_name, attr), owner, attr))
+                watch.hooks.append(
+                    _Hook(_hook_name(module, owner_name, attr), owner, attr)
+                )
         for module, attr in WATCHED_REGISTRIES:
             mod = sys.modules.get(module) or importlib.import_module(module)
             watch.registries[_hook_name(module, None, attr)] = getattr(mod, attr)
@@ -141,7 +157,11 @@ class HookWatch:
                 setattr(h.owner, h.attr, self._guard(info, h, new, before[h.name]))
         for name, registry in self.registries.items():
             added = [k for k in registry if k not in before[name]]
-            changed = [k for k in before[name] if k in registry and registry[k] != before[name][k]]
+            changed = [
+                k
+                for k in before[name]
+                if k in registry and registry[k] != before[name][k]
+            ]
             if added or changed:
                 report_once(
                     f"{info.describe()} changed vLLM registry {name}: "
@@ -149,9 +169,13 @@ class HookWatch:
                     key=f"registry:{name}:{info.name}",
                 )
             if name.endswith("_ATTN_OVERRIDES"):
-                self.plugin_backends.setdefault(info.name, set()).update(added + changed)
+                self.plugin_backends.setdefault(info.name, set()).update(
+                    added + changed
+                )
 
-    def _guard(self, info: PluginInfo, hook: _Hook, new: Callable, original: Callable) -> Callable:
+    def _guard(
+        self, info: PluginInfo, hook: _Hook, new: Callable, original: Callable
+    ) -> Callable:
         watch = self
 
         succeeded = False
@@ -165,17 +189,20 @@ class HookWatch:
                 return result
             except (TypeError, AttributeError) as e:
                 message = (
-                    f"vLLM core hook {hook.name} was replaced by {info.describe()}, and it "
-                    f"raised {type(e).__name__}: {e}. The plugin was probably written for "
-                    f"another vLLM version (this is vLLM {_vllm_version()}). "
-                    f"{info.how_to_disable()}"
+                    f"vLLM core hook {hook.name} was replaced by {info.describe()}, "
+                    f"and it raised {type(e).__name__}: {e}. The plugin was probably "
+                    "written for another vLLM version "
+                    f"(this is vLLM {_vllm_version()}). {info.how_to_disable()}"
                 )
                 unsafe = watch._fallback_unsafe(info)
                 if required(info.name) or unsafe:
-                    raise PluginHookError(message + (f" ({unsafe})" if unsafe else "")) from e
+                    raise PluginHookError(
+                        message + (f" ({unsafe})" if unsafe else "")
+                    ) from e
                 report_once(
                     message + " Falling back to vLLM's own hook: the plugin's hook "
-                    "produced nothing, and the attention backend in use is not the plugin's.",
+                    "produced nothing, and the attention backend in use is not the "
+                    "plugin's.",
                     key=f"hook:{hook.name}:{info.name}:{type(e).__name__}",
                 )
                 # Later calls go straight to vLLM's hook: one report, no retries.
@@ -195,8 +222,10 @@ class HookWatch:
 
         selected = get_current_vllm_config().attention_config.backend
         if selected in backends:
-            return (f"the selected attention backend {selected} is registered by this plugin, "
-                    "so vLLM's own KV layout would not match it")
+            return (
+                f"the selected attention backend {selected} is registered by this "
+                "plugin, so vLLM's own KV layout would not match it"
+            )
         return None
 
 
@@ -208,3 +237,35 @@ def _vllm_version() -> str:
     from vllm import __version__
 
     return __version__
+
+
+def run_general_plugins(group: str, plugins: dict[str, Callable[[], Any]]) -> None:
+    """Call each plugin's registration function; report and skip the ones that fail."""
+    infos = {name: plugin_info(group, name) for name in plugins}
+    # Only third-party plugins are watched: vLLM's own need no snapshot, and
+    # taking one imports the attention modules.
+    watch = HookWatch.start() if any(i.dist != "vllm" for i in infos.values()) else None
+    for name, func in plugins.items():
+        info = infos[name]
+        before = watch.snapshot() if watch else None
+        try:
+            func()
+        except Exception as e:
+            if watch:
+                watch.restore(before)
+            message = (
+                f"{info.describe()} failed to register: {type(e).__name__}: {e}. "
+                f"{info.how_to_disable()}"
+            )
+            if required(name):
+                raise PluginError(
+                    message
+                    + f" Not skipped: it is named in VLLM_PLUGINS or {STRICT_ENV}=1."
+                ) from e
+            logger.debug("Traceback of the failed plugin %s", name, exc_info=True)
+            report_once(
+                message + " Skipped it.", key=f"register:{name}:{type(e).__name__}:{e}"
+            )
+            continue
+        if watch:
+            watch.after_plugin(info, before)

@@ -20,10 +20,8 @@ they log it at debug level only. Workers other than rank 0 stay quiet too.
 
 import hashlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
 
 from vllm.logger import init_logger
 
@@ -46,11 +44,15 @@ class PluginInfo:
     version: str
 
     def describe(self) -> str:
-        return (f"general plugin '{self.name}' ({self.value}) from "
-                f"{self.dist} {self.version}")
+        return (
+            f"general plugin '{self.name}' ({self.value}) from "
+            f"{self.dist} {self.version}"
+        )
 
     def how_to_disable(self) -> str:
-        others = sorted(ep.name for ep in entry_points(group=self.group) if ep.name != self.name)
+        others = sorted(
+            ep.name for ep in entry_points(group=self.group) if ep.name != self.name
+        )
         keep = ",".join(others)
         return (
             f"To run without it, uninstall it (pip uninstall {self.dist}) or set "
@@ -62,9 +64,13 @@ class PluginInfo:
 def plugin_info(group: str, name: str) -> PluginInfo:
     for ep in entry_points(group=group, name=name):
         dist = getattr(ep, "dist", None)
-        return PluginInfo(group, name, ep.value,
-                          dist.metadata["Name"] if dist else "an unknown distribution",
-                          dist.version if dist else "")
+        return PluginInfo(
+            group,
+            name,
+            ep.value,
+            dist.metadata["Name"] if dist else "an unknown distribution",
+            dist.version if dist else "",
+        )
     return PluginInfo(group, name, "?", "an unknown distribution", "")
 
 
@@ -99,38 +105,13 @@ def _is_secondary_rank() -> bool:
 def report_load_failure(group: str, name: str, error: Exception) -> None:
     """A plugin's entry point could not even be imported."""
     info = plugin_info(group, name)
-    message = (f"{info.describe()} failed to load: {type(error).__name__}: {error}. "
-               f"{info.how_to_disable()}")
+    message = (
+        f"{info.describe()} failed to load: {type(error).__name__}: {error}. "
+        f"{info.how_to_disable()}"
+    )
     if group == "vllm.general_plugins" and required(name):
         raise PluginError(message) from error
     logger.debug("Traceback of the plugin %s that failed to load", name, exc_info=error)
-    report_once(message + " Skipped it.", key=f"load:{name}:{type(error).__name__}:{error}")
-
-
-def run_general_plugins(group: str, plugins: dict[str, Callable[[], Any]]) -> None:
-    """Call each plugin's registration function; report and skip the ones that fail."""
-    from vllm.plugins.hook_watch import HookWatch
-
-    infos = {name: plugin_info(group, name) for name in plugins}
-    # Only third-party plugins are watched: vLLM's own need no snapshot, and
-    # taking one imports the attention modules.
-    watch = HookWatch.start() if any(i.dist != "vllm" for i in infos.values()) else None
-    for name, func in plugins.items():
-        info = infos[name]
-        before = watch.snapshot() if watch else None
-        try:
-            func()
-        except Exception as e:
-            if watch:
-                watch.restore(before)
-            message = (f"{info.describe()} failed to register: {type(e).__name__}: {e}. "
-                       f"{info.how_to_disable()}")
-            if required(name):
-                raise PluginError(
-                    message + f" Not skipped: it is named in VLLM_PLUGINS or {STRICT_ENV}=1."
-                ) from e
-            logger.debug("Traceback of the failed plugin %s", name, exc_info=True)
-            report_once(message + " Skipped it.", key=f"register:{name}:{type(e).__name__}:{e}")
-            continue
-        if watch:
-            watch.after_plugin(info, before)
+    report_once(
+        message + " Skipped it.", key=f"load:{name}:{type(error).__name__}:{error}"
+    )

@@ -30,11 +30,15 @@ def _ninja_package_dirs() -> list[str]:
         return []
     # BIN_DIR is where the package's own binary lives; the interpreter's
     # directory holds the console script of a venv install.
-    return [d for d in (getattr(ninja, "BIN_DIR", None), os.path.dirname(sys.executable)) if d]
+    return [
+        d
+        for d in (getattr(ninja, "BIN_DIR", None), os.path.dirname(sys.executable))
+        if d
+    ]
 
 
 def ensure_ninja_on_path() -> str | None:
-    """The ninja binary JITs will run, after putting it on PATH if needed; None if none."""
+    """The ninja binary JITs will run (put on PATH if needed); None if there is none."""
     found = shutil.which("ninja")
     if found:
         return found
@@ -44,22 +48,31 @@ def ensure_ninja_on_path() -> str | None:
             os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
             logger.info_once(
                 "ninja was not on PATH; using the ninja package's binary %s (added "
-                "%s to PATH for this process and its children).", candidate, directory)
+                "%s to PATH for this process and its children).",
+                candidate,
+                directory,
+            )
             return candidate
     return None
 
 
 def jit_tools_available(user: str, tools: tuple[str, ...] = ("ninja",)) -> bool:
-    """Whether ``user``'s JIT can run; warns once, naming what is missing and the fix."""
-    missing = [t for t in tools if (ensure_ninja_on_path() if t == "ninja" else shutil.which(t)) is None]
+    """Whether ``user``'s JIT can run; warns once, naming what is missing and how."""
+    missing = [
+        t
+        for t in tools
+        if (ensure_ninja_on_path() if t == "ninja" else shutil.which(t)) is None
+    ]
     if not missing:
         return True
     logger.warning_once(
         "%s kernels are disabled: they are JIT-compiled with %s, which %s not on PATH "
         "(%s). vLLM uses kernels that need no JIT instead. To enable them, install the "
-        "tool in this environment (pip install ninja; nvcc comes with the CUDA toolkit) "
-        "or add its directory to PATH.",
-        user, " and ".join(missing), "is" if len(missing) == 1 else "are",
+        "tool in this environment (pip install ninja; nvcc comes with the CUDA "
+        "toolkit) or add its directory to PATH.",
+        user,
+        " and ".join(missing),
+        "is" if len(missing) == 1 else "are",
         os.environ.get("PATH", ""),
     )
     return False

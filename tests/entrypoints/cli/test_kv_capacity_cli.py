@@ -120,7 +120,13 @@ def test_bad_inputs_one_paragraph(tmp_path, capsys, argv, expected):
 
 def test_missing_directory_is_not_a_hub_error(tmp_path, capsys):
     rc = kv_capacity.main(
-        [str(tmp_path / "nope"), "--max-model-len", "4096", "--kv-cache-memory-bytes", "1"]
+        [
+            str(tmp_path / "nope"),
+            "--max-model-len",
+            "4096",
+            "--kv-cache-memory-bytes",
+            "1",
+        ]
     )
     err = capsys.readouterr().err
     assert rc == 2

@@ -16,7 +16,6 @@ from vllm.model_executor.layers.quantization.turboquant.centroids import get_cen
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
 
-
 # Small shapes: the interpreter runs one program per (token, head).
 HEAD_DIM, NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS = 64, 2, 16, 3, 20
 SENTINEL = 0xA5
@@ -40,15 +39,24 @@ def test_store_into_padded_cache_matches_contiguous(preset, triton_device):
     key = torch.randn(NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM, device=device)
     value = torch.randn(NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM, device=device)
     # Spread the tokens over all blocks, leaving some slots empty.
-    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device=device)[:NUM_TOKENS].to(torch.int32)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device=device)[:NUM_TOKENS].to(
+        torch.int32
+    )
     pit = torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM))[0].to(device)
     centroids, _ = get_centroids(HEAD_DIM, cfg.key_mse_bits).float().sort()
     midpoints = ((centroids[:-1] + centroids[1:]) / 2).to(device)
 
-    flat, padded, contiguous, real, page = _caches(cfg.slot_size_aligned, device, pad_bytes=96)
+    flat, padded, contiguous, real, page = _caches(
+        cfg.slot_size_aligned, device, pad_bytes=96
+    )
     for cache in (padded, contiguous):
         triton_turboquant_store(
-            key, value, cache, slots, pit, midpoints,
+            key,
+            value,
+            cache,
+            slots,
+            pit,
+            midpoints,
             mse_bits=cfg.key_mse_bits,
             key_packed_size=cfg.key_packed_size,
             value_quant_bits=cfg.effective_value_quant_bits,

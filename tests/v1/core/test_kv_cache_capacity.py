@@ -23,7 +23,12 @@ import pytest
 from tests.models.tiny_hybrids.shapes import write_full_size_config
 
 REPO = Path(__file__).resolve().parents[3]
-TQ_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+TQ_PRESETS = [
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
 GIB = 2**30
 # Padding, as a share of KV-cache memory, the planner must stay under.
 MAX_PADDING = 0.01
@@ -46,7 +51,13 @@ capacity = _capacity_module()
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("full_size")
-    names = ["Qwen3.6-27B", "Qwen3-Coder-Next-80B-A3B", "LocoOperator-4B", "Gemma-4-31B", "Qwen3-4B"]
+    names = [
+        "Qwen3.6-27B",
+        "Qwen3-Coder-Next-80B-A3B",
+        "LocoOperator-4B",
+        "Gemma-4-31B",
+        "Qwen3-4B",
+    ]
     return {n: str(write_full_size_config(n, root / n)) for n in names}
 
 
@@ -65,7 +76,13 @@ def _padding_ok(report):
 
 
 # Qwen3.6-27B int4 on a 24 GB card (report #41560's command line).
-QWEN36 = dict(max_model_len=96000, gpu_memory_gib=24, gpu_memory_utilization=0.97, weights_gib=16.6, language_model_only=True)
+QWEN36 = dict(
+    max_model_len=96000,
+    gpu_memory_gib=24,
+    gpu_memory_utilization=0.97,
+    weights_gib=16.6,
+    language_model_only=True,
+)
 
 
 @pytest.mark.parametrize("preset", TQ_PRESETS)
@@ -74,7 +91,11 @@ def test_qwen3_6_27b_turboquant_plans_without_waste(models, preset):
     _padding_ok(report)
     # All 16 full-attention layers are quantized; GDN layers keep their state.
     assert report.layer_dtypes == {preset: 16}
-    baseline = plan(models["Qwen3.6-27B"], kv_cache_dtype="auto", **{**QWEN36, "max_model_len": 32768})
+    baseline = plan(
+        models["Qwen3.6-27B"],
+        kv_cache_dtype="auto",
+        **{**QWEN36, "max_model_len": 32768},
+    )
     assert report.kv_tokens > baseline.kv_tokens
 
 
@@ -124,7 +145,12 @@ def test_gemma_4_31b_tp4_turboquant_native_context(models):
 
 
 def test_qwen3_4b_dense_control(models):
-    report = plan(models["Qwen3-4B"], kv_cache_dtype="turboquant_4bit_nc", max_model_len=32768, kv_cache_memory_bytes=4 * GIB)
+    report = plan(
+        models["Qwen3-4B"],
+        kv_cache_dtype="turboquant_4bit_nc",
+        max_model_len=32768,
+        kv_cache_memory_bytes=4 * GIB,
+    )
     assert report.error is None, report.error
     assert report.padding_fraction == 0
     assert report.layer_dtypes == {"auto": 4, "turboquant_4bit_nc": 32}
@@ -152,9 +178,18 @@ def test_attention_backend_per_layer_kind_on_cuda(models):
 @pytest.mark.parametrize(
     ("kw", "expected"),
     [
-        ({"tensor_parallel_size": 0}, "--tensor-parallel-size 0: must be greater than 0"),
-        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization 1.5: must be in (0, 1]"),
-        ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization 0.0: must be in (0, 1]"),
+        (
+            {"tensor_parallel_size": 0},
+            "--tensor-parallel-size 0: must be greater than 0",
+        ),
+        (
+            {"gpu_memory_utilization": 1.5},
+            "--gpu-memory-utilization 1.5: must be in (0, 1]",
+        ),
+        (
+            {"gpu_memory_utilization": 0.0},
+            "--gpu-memory-utilization 0.0: must be in (0, 1]",
+        ),
         ({"weights_gib": -50}, "--weights-gib -50: must be greater than 0"),
         ({"gpu_memory_gib": 0}, "--gpu-memory-gib 0: must be greater than 0"),
         ({"overhead_gib": -1}, "--overhead-gib -1: must be 0 or more"),
@@ -162,7 +197,10 @@ def test_attention_backend_per_layer_kind_on_cuda(models):
         ({"max_model_len": 0}, "--max-model-len 0: must be greater than 0"),
         ({"num_speculative_tokens": -1}, "--num-speculative-tokens -1"),
         ({"device_capability": "ninety"}, "--device-capability ninety: expected"),
-        ({"kv_cache_memory_bytes": 0}, "--kv-cache-memory-bytes 0: must be greater than 0"),
+        (
+            {"kv_cache_memory_bytes": 0},
+            "--kv-cache-memory-bytes 0: must be greater than 0",
+        ),
         ({"gpu_memory_gib": None}, "no memory to plan with"),
     ],
 )
@@ -190,7 +228,9 @@ def test_tensor_parallel_must_shard_kv_heads(tmp_path, models):
         plan(str(tmp_path), tensor_parallel_size=3, kv_cache_memory_bytes=GIB)
     assert "num_key_value_heads=4" in str(e.value)
     assert "Sizes that shard evenly: 1, 2, 4" in str(e.value)
-    assert plan(str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=GIB).kv_tokens
+    assert plan(
+        str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=GIB
+    ).kv_tokens
 
 
 def test_tensor_parallel_must_shard_gdn_dims(models):

@@ -24,7 +24,9 @@ SHAPES = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 48, 128, 1
 MAMBA_PAGE = MambaSpec(
     block_size=1,
     shapes=SHAPES,
-    dtypes=MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", "auto"),
+    dtypes=MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        torch.bfloat16, "auto", "auto"
+    ),
 ).page_size_bytes
 TQ_4BIT, BF16 = 4 * 262, 4 * 2 * 256 * 2
 
@@ -42,7 +44,9 @@ def test_mixed_kinds_pad_less_than_sizing_for_the_largest_alone():
     # Upstream-style: block for the largest layers, everything padded to that page.
     block = 16 * cdiv(MAMBA_PAGE, 16 * BF16)
     page = block * BF16
-    naive = 48 * (page - MAMBA_PAGE) + 12 * (page - (page // (block * TQ_4BIT)) * block * TQ_4BIT)
+    naive = 48 * (page - MAMBA_PAGE) + 12 * (
+        page - (page // (block * TQ_4BIT)) * block * TQ_4BIT
+    )
     assert plan.padding_fraction < naive / (page * 64)
     assert plan.block_size % 16 == 0 and plan.block_size * BF16 >= MAMBA_PAGE
 

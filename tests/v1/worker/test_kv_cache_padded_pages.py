@@ -53,15 +53,22 @@ class _AnyMultipleOf16:
 def _config(spec):
     return KVCacheConfig(
         num_blocks=4,
-        kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=["l0"])],
+        kv_cache_tensors=[
+            KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=["l0"])
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
     )
 
 
 def _padded(block_size=96):
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
     return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
         page_size_padded=spec.page_size_bytes + 4096,
     )
 
@@ -69,7 +76,9 @@ def _padded(block_size=96):
 def test_padded_page_is_not_split_into_kernel_blocks():
     spec = _padded()
     groups = [[SimpleNamespace(backend=_SmallKernelBlocks)]]
-    with pytest.raises(ValueError, match=r"padded pages .*SMALL_BLOCKS.*kernel blocks of 32 tokens"):
+    with pytest.raises(
+        ValueError, match=r"padded pages .*SMALL_BLOCKS.*kernel blocks of 32 tokens"
+    ):
         prepare_kernel_block_sizes(_config(spec), groups)
 
 
@@ -119,16 +128,28 @@ def test_flash_attention_reads_a_padded_cache_like_a_contiguous_one():
     padded.copy_(torch.randn(shape, dtype=torch.bfloat16, device="cuda"))
     contiguous = padded.contiguous()
     seq_lens = torch.tensor([70, 200], dtype=torch.int32, device="cuda")
-    block_table = torch.tensor([[5, 1, 7, 0, 0, 0, 0], [2, 4, 6, 3, 0, 1, 7]], dtype=torch.int32, device="cuda")
-    q = torch.randn(2, q_heads, dim, dtype=torch.bfloat16, device="cuda")  # one decode token each
+    block_table = torch.tensor(
+        [[5, 1, 7, 0, 0, 0, 0], [2, 4, 6, 3, 0, 1, 7]], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(
+        2, q_heads, dim, dtype=torch.bfloat16, device="cuda"
+    )  # one decode token each
     cu_q = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
     outs = []
     for kv in (padded, contiguous):
         k, v = kv.unbind(0)
         outs.append(
             flash_attn_varlen_func(
-                q=q, k=k, v=v, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seq_lens,
-                max_seqlen_k=200, softmax_scale=dim**-0.5, causal=True, block_table=block_table,
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=1,
+                seqused_k=seq_lens,
+                max_seqlen_k=200,
+                softmax_scale=dim**-0.5,
+                causal=True,
+                block_table=block_table,
             )
         )
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -26,7 +26,9 @@ USAGE = "vllm kv-capacity MODEL_DIR --max-model-len N [options]"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("model", metavar="MODEL_DIR", help="model directory with config.json")
+    p.add_argument(
+        "model", metavar="MODEL_DIR", help="model directory with config.json"
+    )
     p.add_argument(
         "--max-model-len",
         type=int,

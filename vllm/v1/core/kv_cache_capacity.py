@@ -205,7 +205,9 @@ def check_request(req: CapacityRequest) -> None:
             "tensor-parallel size)."
         )
     _positive("--gpu-memory-gib", req.gpu_memory_gib, "It is one GPU's memory in GiB.")
-    _positive("--weights-gib", req.weights_gib, "It is the whole model's weights in GiB.")
+    _positive(
+        "--weights-gib", req.weights_gib, "It is the whole model's weights in GiB."
+    )
     if not 0 < req.gpu_memory_utilization <= 1:
         raise CapacityInputError(
             f"--gpu-memory-utilization {req.gpu_memory_utilization}: must be in "
@@ -734,7 +736,7 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
         max_model_len=req.max_model_len,
         kv_cache_memory_bytes=memory,
         vllm=vllm.__version__,
-        device_capability="%d.%d" % capability,
+        device_capability=f"{capability[0]}.{capability[1]}",
     )
     try:
         check_model(req)

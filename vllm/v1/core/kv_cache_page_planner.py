@@ -178,7 +178,9 @@ def apply_hybrid_page_plan(
     if per_token is None or num_mamba_layers is None:
         loaded_per_token, loaded_mamba = loaded_layer_pages(vllm_config)
         per_token = loaded_per_token if per_token is None else per_token
-        num_mamba_layers = loaded_mamba if num_mamba_layers is None else num_mamba_layers
+        num_mamba_layers = (
+            loaded_mamba if num_mamba_layers is None else num_mamba_layers
+        )
     if not per_token:
         per_token = {fallback_bytes_per_token: 1}
     num_mamba_layers = max(1, num_mamba_layers)

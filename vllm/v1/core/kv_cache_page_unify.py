@@ -89,7 +89,9 @@ class PagePadding:
 def page_padding(kv_cache_spec: Mapping[str, KVCacheSpec]) -> PagePadding:
     """Padding summary of specs whose pages were unified."""
     page = max((s.page_size_bytes for s in kv_cache_spec.values()), default=0)
-    padding = [s.page_size_bytes - unpadded_page_size_bytes(s) for s in kv_cache_spec.values()]
+    padding = [
+        s.page_size_bytes - unpadded_page_size_bytes(s) for s in kv_cache_spec.values()
+    ]
     return PagePadding(
         page_size_bytes=page,
         num_layers=len(kv_cache_spec),
@@ -116,7 +118,9 @@ def _fit_attention_page(
     return replace(scaled, page_size_padded=max_page_size)
 
 
-def _padding_for_page(kv_cache_spec: Mapping[str, KVCacheSpec], page: int) -> int | None:
+def _padding_for_page(
+    kv_cache_spec: Mapping[str, KVCacheSpec], page: int
+) -> int | None:
     """Total padding if every layer gets ``page`` (None: some layer can't)."""
     waste = 0
     for spec in kv_cache_spec.values():
@@ -187,11 +191,15 @@ def unify_page_sizes(
             # A Mamba page holds one request's state whatever the block_size.
             unified[layer_name] = replace(spec, page_size_padded=max_page_size)
         elif isinstance(spec, AttentionSpec):
-            new_spec = _fit_attention_page(layer_name, spec, max_page_size, kv_cache_spec)
+            new_spec = _fit_attention_page(
+                layer_name, spec, max_page_size, kv_cache_spec
+            )
             scaled += new_spec.block_size != spec.block_size
             unified[layer_name] = new_spec
         else:
-            raise page_size_not_divisible(layer_name, spec, max_page_size, kv_cache_spec)
+            raise page_size_not_divisible(
+                layer_name, spec, max_page_size, kv_cache_spec
+            )
 
     summary = replace(page_padding(unified), scaled_layers=scaled)
     if summary.padded_layers:

@@ -59,7 +59,9 @@ def describe_layers(kv_cache_spec: Mapping[str, KVCacheSpec]) -> str:
         by_spec.setdefault(describe_spec(spec), []).append(name)
     rows = []
     for desc, names in list(by_spec.items())[:_MAX_ROWS]:
-        shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+        shown = ", ".join(names[:3]) + (
+            f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+        )
         rows.append(f"  - {desc}: {shown}")
     if len(by_spec) > _MAX_ROWS:
         rows.append(f"  - ... {len(by_spec) - _MAX_ROWS} more distinct specs")
@@ -76,15 +78,20 @@ def page_size_not_divisible(
     max_page_size: int,
     kv_cache_spec: Mapping[str, KVCacheSpec],
 ) -> KVCachePageSizeError:
-    largest = next(n for n, s in kv_cache_spec.items() if s.page_size_bytes == max_page_size)
+    largest = next(
+        n for n, s in kv_cache_spec.items() if s.page_size_bytes == max_page_size
+    )
     return KVCachePageSizeError(
         f"Cannot give all KV cache layers one page size: layer '{layer_name}' "
-        f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page, which does "
+        f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page, "
+        "which does "
         f"not divide the largest page, {max_page_size} B of layer '{largest}' "
         f"({type(kv_cache_spec[largest]).__name__}), so no block_size multiple of "
-        f"{layer_spec.block_size} makes them equal.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
+        f"{layer_spec.block_size} makes them "
+        f"equal.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
         "To try: make the layers store sizes that divide each other (the same "
-        "--kv-cache-dtype for all attention layers, or exclude the mismatched layers with "
+        "--kv-cache-dtype for all attention layers, or exclude the mismatched layers "
+        "with "
         "--kv-cache-dtype-skip-layers), or pass --disable-hybrid-kv-cache-manager for "
         "attention-only models."
     )
@@ -97,10 +104,12 @@ def check_scaled_page_size(
     max_page_size: int,
     kv_cache_spec: Mapping[str, KVCacheSpec],
 ) -> None:
-    """``new_spec`` (``layer_spec`` with a larger block_size) must fill the largest page."""
+    """``new_spec`` (``layer_spec`` with a larger block_size) must fill the page."""
     if new_spec.page_size_bytes == max_page_size:
         return
-    largest = next(n for n, s in kv_cache_spec.items() if s.page_size_bytes == max_page_size)
+    largest = next(
+        n for n, s in kv_cache_spec.items() if s.page_size_bytes == max_page_size
+    )
     why = (
         f"{type(layer_spec).__name__}'s page size does not depend on block_size"
         if new_spec.page_size_bytes == layer_spec.page_size_bytes
@@ -111,28 +120,33 @@ def check_scaled_page_size(
         # The platform already padded the Mamba page to the main model's attention
         # page; a larger attention page can only come from other layers (a draft).
         attn = {
-            n: s for n, s in kv_cache_spec.items()
+            n: s
+            for n, s in kv_cache_spec.items()
             if not isinstance(s, MambaSpec) and s.page_size_bytes == max_page_size
         }
         if attn:
             example = next(iter(attn.values()))
             hint = (
-                f"\nThe Mamba/linear-attention state page was sized for the main model's "
+                "\nThe Mamba/linear-attention state page was sized for the main "
+                "model's "
                 f"attention layers, but {len(attn)} attention layer(s) such as "
-                f"'{next(iter(attn))}' store {_bytes_per_token(example)} and need a larger "
-                "page. This happens when a separate draft model's attention layers (KV heads x "
+                f"'{next(iter(attn))}' store {_bytes_per_token(example)} and need a "
+                "larger "
+                "page. This happens when a separate draft model's attention layers (KV "
+                "heads x "
                 "head_size x dtype) differ from the main model's."
             )
     raise KVCachePageSizeError(
         f"Cannot give all KV cache layers one page size: layer '{layer_name}' "
-        f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page and the "
+        f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page and "
+        "the "
         f"largest page is {max_page_size} B (layer '{largest}', "
         f"{type(kv_cache_spec[largest]).__name__}). Scaling its block_size from "
         f"{layer_spec.block_size} to {new_spec.block_size} gives a "
         f"{new_spec.page_size_bytes} B page, because {why}.{hint}\n"
         f"Layers:\n{describe_layers(kv_cache_spec)}\n"
         "To try: use the model's own MTP head as the speculator "
-        "(--speculative-config '{\"method\": \"mtp\", ...}') or a draft whose attention "
+        '(--speculative-config \'{"method": "mtp", ...}\') or a draft whose attention '
         "layers store the same bytes per token as the main model's, use one "
         "--kv-cache-dtype for every attention layer, or disable speculative decoding."
     )
@@ -158,24 +172,33 @@ def check_spec_types(
     wrong = {n: s for n, s in specs.items() if not isinstance(s, expected)}
     if not wrong:
         return
-    names = expected.__name__ if isinstance(expected, type) else "/".join(
-        t.__name__ for t in expected)
+    names = (
+        expected.__name__
+        if isinstance(expected, type)
+        else "/".join(t.__name__ for t in expected)
+    )
     raise KVCacheSpecError(
         f"{where}: expected every layer to use {names}, but "
         f"{len(wrong)} do not:\n"
-        + "\n".join(f"  - '{n}': {type(s).__name__}" for n, s in list(wrong.items())[:_MAX_ROWS])
+        + "\n".join(
+            f"  - '{n}': {type(s).__name__}" for n, s in list(wrong.items())[:_MAX_ROWS]
+        )
         + "\nThis layer mix is not supported by this KV cache layout; please report it "
         "with the model and --kv-cache-dtype used."
     )
 
 
-def check_planning(condition: bool, what: str, kv_cache_spec: Mapping[str, KVCacheSpec]) -> None:
-    """A planning invariant that has no more specific check; names the layers involved."""
+def check_planning(
+    condition: bool, what: str, kv_cache_spec: Mapping[str, KVCacheSpec]
+) -> None:
+    """A planning invariant with no more specific check; names the layers involved."""
     if condition:
         return
     raise KVCacheSpecError(
-        f"KV cache planning failed: {what}.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
-        "Please report this with the model, --kv-cache-dtype and --speculative-config used."
+        "KV cache planning failed: "
+        f"{what}.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
+        "Please report this with the model, --kv-cache-dtype and --speculative-config "
+        "used."
     )
 
 
@@ -186,21 +209,26 @@ def check_same_spec_across_workers(
         return
     raise KVCacheSpecError(
         f"Layer '{layer_name}' has different KV cache specs on different workers: "
-        f"{describe_spec(first)} vs {describe_spec(other)}. All workers of a layer must "
+        f"{describe_spec(first)} vs {describe_spec(other)}. All workers of a layer "
+        "must "
         "agree; check that every rank runs the same model, --kv-cache-dtype and "
         "tensor-parallel layout."
     )
 
 
-def check_all_layers_grouped(groups: list[Any], kv_cache_spec: Mapping[str, KVCacheSpec]) -> None:
+def check_all_layers_grouped(
+    groups: list[Any], kv_cache_spec: Mapping[str, KVCacheSpec]
+) -> None:
     grouped = {n for g in groups for n in g.layer_names}
     missing = [n for n in kv_cache_spec if n not in grouped]
     if sum(len(g.layer_names) for g in groups) == len(kv_cache_spec):
         return
     raise KVCacheSpecError(
         f"{len(missing)} layer(s) were not assigned to any KV cache group: "
-        f"{missing[:_MAX_ROWS]} (groups hold {sum(len(g.layer_names) for g in groups)} layer "
-        f"slots for {len(kv_cache_spec)} layers). Please report this with the model and "
+        f"{missing[:_MAX_ROWS]} (groups hold {sum(len(g.layer_names) for g in groups)} "
+        "layer "
+        f"slots for {len(kv_cache_spec)} layers). Please report this with the model "
+        "and "
         "pipeline-parallel size used."
     )
 
@@ -219,7 +247,9 @@ def check_tensor_divisible(tensor: Any, num_blocks: int) -> None:
     if tensor.size % num_blocks == 0:
         return
     raise KVCacheSpecError(
-        f"KV cache tensor shared by {tensor.shared_by[:_MAX_ROWS]} has {tensor.size} B, "
-        f"which is not a whole number of its {num_blocks} blocks; it cannot be shrunk to "
+        f"KV cache tensor shared by {tensor.shared_by[:_MAX_ROWS]} has {tensor.size} "
+        "B, "
+        f"which is not a whole number of its {num_blocks} blocks; it cannot be shrunk "
+        "to "
         "match the other workers. Please report this with the model and parallel sizes."
     )

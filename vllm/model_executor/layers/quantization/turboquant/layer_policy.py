@@ -76,7 +76,9 @@ def attention_layer_indices(hf_text_config) -> list[int]:
     for field in ("layer_types", "layers_block_type"):
         types = getattr(hf_text_config, field, None)
         if types:
-            return [i for i, t in enumerate(types[:num_layers]) if t in _ATTENTION_TYPES]
+            return [
+                i for i, t in enumerate(types[:num_layers]) if t in _ATTENTION_TYPES
+            ]
     return list(range(num_layers))
 
 
@@ -87,7 +89,9 @@ def has_sliding_window_layers(hf_text_config) -> bool:
     return not types and getattr(hf_text_config, "sliding_window", None) is not None
 
 
-def boundary_layers(skip_layers: list[str], attention_layers: list[int], hybrid: bool) -> tuple[int, list[int]]:
+def boundary_layers(
+    skip_layers: list[str], attention_layers: list[int], hybrid: bool
+) -> tuple[int, list[int]]:
     """(N, the attention-layer indices boundary protection keeps)."""
     requested = [s for s in skip_layers if s.startswith(BOUNDARY_PREFIX)]
     if requested:
@@ -112,13 +116,19 @@ def _sort_key(entry: str) -> tuple[int, int, str]:
     return (0, int(entry), "") if entry.isdigit() else (1, 0, entry)
 
 
-def resolve_skip_layers(model_config: "ModelConfig", cache_config: "CacheConfig") -> list[str]:
+def resolve_skip_layers(
+    model_config: "ModelConfig", cache_config: "CacheConfig"
+) -> list[str]:
     """The skip list for a TurboQuant run (replaces upstream's hybrid refusal
     and global-index boundary rule in ``EngineArgs.create_engine_config``)."""
     text_config = model_config.hf_text_config
     skip = list(cache_config.kv_cache_dtype_skip_layers or [])
     for entry in skip:
-        if not (entry.isdigit() or entry in (SLIDING_WINDOW, DRAFT) or entry.startswith(BOUNDARY_PREFIX)):
+        if not (
+            entry.isdigit()
+            or entry in (SLIDING_WINDOW, DRAFT)
+            or entry.startswith(BOUNDARY_PREFIX)
+        ):
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
                 f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}' or "
@@ -174,7 +184,9 @@ def layer_kv_cache_dtype(
     """(the KV dtype of the attention layer ``prefix``, why)."""
     skip_layers = list(cache_config.kv_cache_dtype_skip_layers or [])
     num_main_layers = (
-        model_config.hf_text_config.num_hidden_layers if model_config is not None else None
+        model_config.hf_text_config.num_hidden_layers
+        if model_config is not None
+        else None
     )
     quantized = kv_cache_dtype.startswith("turboquant_")
     draft = is_draft_layer(prefix, num_main_layers)
@@ -203,7 +215,9 @@ def log_kv_cache_dtype_map(vllm_config: "VllmConfig") -> None:
     if _LOGGED or not _DECISIONS:
         return
     cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype == "auto" and all(d.kv_cache_dtype == "auto" for d in _DECISIONS.values()):
+    if cache_dtype == "auto" and all(
+        d.kv_cache_dtype == "auto" for d in _DECISIONS.values()
+    ):
         return
     _LOGGED = True
     by_dtype: dict[str, list[str]] = defaultdict(list)
@@ -214,7 +228,10 @@ def log_kv_cache_dtype_map(vllm_config: "VllmConfig") -> None:
         if decision.reason:
             label += f" [{decision.reason}]"
         by_dtype[label].append(_short(prefix))
-    lines = [f"  {label}: {len(names)} layer(s): {', '.join(names)}" for label, names in by_dtype.items()]
+    lines = [
+        f"  {label}: {len(names)} layer(s): {', '.join(names)}"
+        for label, names in by_dtype.items()
+    ]
     logger.info("KV cache dtype per attention layer:\n%s", "\n".join(lines))
 
 

@@ -1,0 +1,94 @@
+"""Every patch at its own place: patches 1..N on pristine vLLM, patch N's tests there.
+
+That is what a reviewer of patch N's pull request and a rebase see: a patch
+whose tests pass only with later patches applied does not stand alone. For
+each N the tree is a link farm of the pristine wheel (directories made, files
+linked) with the files patches 1..N write as real files, so building one
+costs a second, not a copy of the wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hybridkv.base import REPO, pristine_wheel_dir
+from hybridkv.patchfile import apply_hunks, join_lines, read_lines
+from hybridkv.series import Series
+
+# Triton kernel tests need the interpreter chosen before triton is imported.
+INTERPRETED = ("tests/kernels/",)
+
+
+def prefix_tree(series: Series, n: int, dest: Path) -> Path:
+    """Pristine vLLM with the first ``n`` patches of ``series`` applied, at ``dest``."""
+    src = pristine_wheel_dir()
+    for dirpath, dirnames, filenames in os.walk(src / "vllm"):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = Path(dirpath).relative_to(src)
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            os.symlink(Path(dirpath) / name, dest / rel / name)
+    for info in src.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name)
+    for patch in series.patches[:n]:
+        for d in patch.diffs:
+            f = dest / d.path
+            new = apply_hunks(read_lines(f) if f.exists() else [], d.hunks)
+            if new is None:
+                raise SystemExit(f"{patch.name}: does not apply at its place ({d.path})")
+            if f.is_symlink():
+                f.unlink()
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(join_lines(new))
+        for rel in patch.listed("Overlay"):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(series.repo / rel, dest / rel)
+    return dest
+
+
+def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, log) -> int:
+    env = dict(os.environ)
+    # The prefix tree first: it shadows the installed vllm; the repo after it
+    # for tests.models and hybridkv.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tree), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if interpret:
+        env["HYBRIDKV_TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "hybridkv.testing.pytest_plugin", *tests, *extra]
+    log(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""))
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def run(series: Series, only: list[str], extra: list[str], log=print) -> int:
+    """Run each selected patch's tests at its place; 0 if all pass."""
+    failed = []
+    for n, patch in enumerate(series.patches, 1):
+        if only and not any(k in patch.name for k in only):
+            continue
+        tests = [t for t in patch.listed("Tests") if Path(t).name.startswith("test_")]
+        log(f"\n== {patch.name}: patches 1..{n} on pristine vLLM, its {len(tests)} test files")
+        if not tests:
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:
+            tree = prefix_tree(series, n, Path(tmp))
+            plain = [t for t in tests if not t.startswith(INTERPRETED)]
+            kernels = [t for t in tests if t.startswith(INTERPRETED)]
+            rc = 0
+            for group, interpret in ((plain, False), (kernels, True)):
+                if group:
+                    rc |= _pytest(tree, group, extra, interpret, log)
+        if rc:
+            failed.append(patch.name)
+    if failed:
+        log(f"\nFAILED at their place in the series: {', '.join(failed)}")
+        return 1
+    log("\nEvery patch's tests pass with only the patches up to it applied.")
+    return 0
