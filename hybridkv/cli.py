@@ -113,7 +113,7 @@ def cmd_prefix_test(args) -> int:
     from hybridkv.prefix import run
 
     _ensure_pristine()
-    return run(load_series(), args.patches, args.pytest_args)
+    return run(load_series(), args.patches, args.pytest_args, skip_full=args.skip_full)
 
 
 def cmd_lint(args) -> int:
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prefix-test",
                        help="run each patch's tests on pristine vLLM with patches 1..N applied")
     p.add_argument("patches", nargs="*", help="only these patches (name, file or number)")
+    p.add_argument("--skip-full", action="store_true",
+                   help="leave out the last patch (its place is the whole series)")
     p.set_defaults(func=cmd_prefix_test, pytest_args=[])
     sub.add_parser("lint", help="ruff check + format, vLLM 0.20.2's config").set_defaults(
         func=cmd_lint)

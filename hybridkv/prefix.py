@@ -63,18 +63,28 @@ def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, log
         env["HYBRIDKV_TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "hybridkv.testing.pytest_plugin", *tests, *extra]
-    log(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""))
+    log(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
+        flush=True)
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 
-def run(series: Series, only: list[str], extra: list[str], log=print) -> int:
-    """Run each selected patch's tests at its place; 0 if all pass."""
+def run(series: Series, only: list[str], extra: list[str], skip_full: bool = False,
+        log=print) -> int:
+    """Run each selected patch's tests at its place; 0 if all pass.
+
+    ``skip_full`` leaves out the last patch, whose place is the whole series
+    (CI tests that already, against the installed wheel).
+    """
     failed = []
     for n, patch in enumerate(series.patches, 1):
         if only and not any(k in patch.name for k in only):
             continue
+        if skip_full and n == len(series.patches):
+            log(f"\n== {patch.name}: the whole series; its tests ran against the wheel")
+            continue
         tests = [t for t in patch.listed("Tests") if Path(t).name.startswith("test_")]
-        log(f"\n== {patch.name}: patches 1..{n} on pristine vLLM, its {len(tests)} test files")
+        log(f"\n== {patch.name}: patches 1..{n} on pristine vLLM, its {len(tests)} test files",
+            flush=True)
         if not tests:
             continue
         with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:

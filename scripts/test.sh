@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # hybridkv's tests, from a fresh CPU-only machine: runs scripts/setup.sh (the main job),
-# then our tests and vLLM 0.20.2's own tests for the code the series touches, both
-# against the installed patched wheel. GPU tests (-m gpu) are skipped here; they run
+# then lint, our tests, each patch's tests at its place in the series, and vLLM
+# 0.20.2's own tests for the code the series touches (against the installed wheel). GPU tests (-m gpu) are skipped here; they run
 # on the GPU host through scripts/gpu-suite.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,12 +10,18 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from another folder
 
+printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
+"$VENV/bin/hybridkv" lint
+
 printf '\n== hybridkv tests (tests/)\n'
 "$py" -m pytest tests -q -p no:cacheprovider "$@"
 
 printf '\n== Triton kernels under the CPU interpreter (tests/kernels)\n'
 # Its own process: the interpreter must be chosen before Triton and vLLM load.
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
+
+printf '\n== each patch at its place: patches 1..N on pristine vLLM, patch N'"'"'s tests\n'
+"$VENV/bin/hybridkv" prefix-test --skip-full  # the last patch's place is the wheel tested above
 
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
