@@ -540,10 +540,15 @@ class _CudaKernelBlocks:
 
 
 def unpadded_page_size_bytes(spec: Any) -> int:
-    """The bytes a page of ``spec`` really stores (padding excluded)."""
-    if getattr(spec, "page_size_padded", None) is None:
-        return spec.page_size_bytes
-    return replace(spec, page_size_padded=None).page_size_bytes
+    """The bytes a page of ``spec`` really stores (padding excluded): the page
+    model of ``kv_cache_page_unify``, which an unpatched vLLM lacks."""
+    try:
+        from vllm.v1.core.kv_cache_page_unify import unpadded_page_size_bytes
+    except ImportError:
+        if getattr(spec, "page_size_padded", None) is None:
+            return spec.page_size_bytes
+        return replace(spec, page_size_padded=None).page_size_bytes
+    return unpadded_page_size_bytes(spec)
 
 
 def plan_block_size(
@@ -562,12 +567,13 @@ def plan_block_size(
         Platform._align_hybrid_block_size(vllm_config, _CudaKernelBlocks)  # type: ignore[arg-type]
         return
     from vllm.v1.core.kv_cache_page_planner import apply_hybrid_page_plan
+    from vllm.v1.core.kv_cache_page_unify import bytes_per_token
 
     per_token: dict[int, int] = {}
     for layer in layers:
         if layer.kind != "mamba":
             spec, _ = attention_spec(vllm_config, layer, pristine)
-            one = unpadded_page_size_bytes(replace(spec, block_size=1))
+            one = bytes_per_token(spec)
             per_token[one] = per_token.get(one, 0) + 1
     mamba = unpadded_page_size_bytes(mamba_spec(vllm_config))
     apply_hybrid_page_plan(

@@ -23,12 +23,13 @@ scaled every other attention layer to the largest multiple of ``b`` fitting in
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import lcm
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_page_unify import bytes_per_token, scaled_page_padding
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +59,8 @@ def _padding_bytes(
     num_mamba_layers: int,
 ) -> int:
     waste = num_mamba_layers * (page - mamba_page)
-    for bytes_per_token, count in per_token.items():
-        layer_page = block_size * bytes_per_token
-        waste += count * (page - (page // layer_page) * layer_page)
+    for per_token_bytes, count in per_token.items():
+        waste += count * scaled_page_padding(page, block_size * per_token_bytes)
     return waste
 
 
@@ -103,8 +103,8 @@ def plan_hybrid_page(
     for block_size in candidates:
         floor = max(mamba_page_size, block_size * largest)
         pages = {floor}
-        for bytes_per_token in attention_bytes_per_token:
-            layer_page = block_size * bytes_per_token
+        for per_token_bytes in attention_bytes_per_token:
+            layer_page = block_size * per_token_bytes
             pages.add(cdiv(floor, layer_page) * layer_page)
         for page in pages:
             waste = _padding_bytes(
@@ -152,8 +152,7 @@ def loaded_layer_pages(vllm_config: "VllmConfig") -> tuple[Counter[int], int]:
             continue
         spec = layer.get_kv_cache_spec(vllm_config)
         if isinstance(spec, AttentionSpec):
-            one_token = replace(spec, block_size=1, page_size_padded=None)
-            per_token[one_token.page_size_bytes] += 1
+            per_token[bytes_per_token(spec)] += 1
     return per_token, num_mamba
 
 

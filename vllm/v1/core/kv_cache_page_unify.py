@@ -48,11 +48,26 @@ TARGET_PADDING_FRACTION = 0.005
 MAX_PAGE_MULTIPLE = 8
 
 
+# The one model of page padding; the hybrid page planner and the capacity
+# planner (vllm kv-capacity) count padding with these functions too.
+
+
 def unpadded_page_size_bytes(spec: KVCacheSpec) -> int:
     """The bytes a page of ``spec`` really stores (padding excluded)."""
     if getattr(spec, "page_size_padded", None) is None:
         return spec.page_size_bytes
     return replace(spec, page_size_padded=None).page_size_bytes
+
+
+def bytes_per_token(spec: AttentionSpec) -> int:
+    """What one token of an attention layer stores (its page at block_size 1)."""
+    return unpadded_page_size_bytes(replace(spec, block_size=1))
+
+
+def scaled_page_padding(page: int, layer_page: int) -> int:
+    """Padding left in ``page`` once a layer's ``layer_page`` is scaled by the
+    largest whole multiple that fits (0 when it divides ``page``)."""
+    return page % layer_page
 
 
 def can_pad_page(spec: KVCacheSpec) -> bool:
@@ -128,7 +143,7 @@ def _padding_for_page(
         if isinstance(spec, MambaSpec):
             fitted = real
         elif isinstance(spec, AttentionSpec):
-            fitted = (page // real) * real
+            fitted = page - scaled_page_padding(page, real)
         else:
             fitted = page if page == spec.page_size_bytes else 0
         if fitted == 0 or (fitted != page and not can_pad_page(spec)):
