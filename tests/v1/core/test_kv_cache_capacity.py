@@ -255,3 +255,29 @@ def test_engine_refusal_keeps_the_whole_cause(models):
     assert report.error.startswith("engine configuration: ValidationError")
     text = capacity.format_report(report)
     assert "max_model_len (1000000000) is greater than the derived" in text
+
+
+@pytest.mark.parametrize("capability", ["9.0", "12.0"])
+def test_gemma_4_backend_per_layer_kind(models, capability):
+    """Every attention layer kind of Gemma-4-31B is either routed to a backend
+    or reported with the engine's reason (0.20.2: the model config forces
+    TRITON_ATTN, which rejects TurboQuant layers), for the GPU asked for."""
+    report = plan(
+        models["Gemma-4-31B"],
+        kv_cache_dtype="turboquant_4bit_nc",
+        tensor_parallel_size=4,
+        max_model_len=262144,
+        kv_cache_memory_bytes=8 * GIB,
+        device_capability=capability,
+    )
+    assert report.error is None, report.error
+    assert report.device_capability == capability
+    kinds = {
+        "sliding attention, head_size 256, KV auto",
+        "full attention, head_size 512, KV auto",
+        "full attention, head_size 512, KV turboquant_4bit_nc",
+    }
+    assert set(report.attention_backends) | set(report.backend_errors) == kinds
+    assert report.fails == bool(report.backend_errors)
+    for reason in report.backend_errors.values():
+        assert "not valid" in reason or "No valid attention backend" in reason
