@@ -27,4 +27,8 @@ printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
 mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)
 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
-  --deselect-file="$OLDPWD/tests/upstream_deselect.txt" "${upstream[@]}"
+  --deselect-file="$OLDPWD/tests/upstream_deselect.txt" \
+  --model-redirect-dir="$OLDPWD/tests/upstream_models" "${upstream[@]}"
+mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.txt" | grep .)
+HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
+  --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"

@@ -57,6 +57,14 @@ def pytest_addoption(parser):
         f"(same as {INTERPRET_ENV}=1; hides GPUs)",
     )
     parser.getgroup("hybridkv").addoption(
+        "--model-redirect-dir",
+        default=None,
+        metavar="DIR",
+        help="serve hub ids from config-only directories DIR/<org>/<name> (through "
+        "vLLM's VLLM_MODEL_REDIRECT_PATH), so tests that build ModelConfig from a "
+        "hub id run offline. Write --model-redirect-dir=DIR.",
+    )
+    parser.getgroup("hybridkv").addoption(
         "--deselect-file",
         action="append",
         default=[],
@@ -108,6 +116,10 @@ def _setup(config) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+    redirect_dir = getattr(opts, "model_redirect_dir", None)
+    if redirect_dir:
+        _redirect_models(redirect_dir)
+
     import torch
 
     # device_count(), not is_available(): it asks NVML, so it does not
@@ -129,6 +141,23 @@ def _setup(config) -> None:
 
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = lambda: None
+
+
+def _redirect_models(root: str) -> None:
+    """Point vLLM's model redirect at every DIR/<org>/<name>/config.json."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    base = Path(root).resolve()
+    mapping = {
+        str(cfg.parent.relative_to(base)): str(cfg.parent)
+        for cfg in sorted(base.glob("*/*/config.json"))
+    }
+    fd, path = tempfile.mkstemp(prefix="hybridkv-model-redirect-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(mapping, f)
+    os.environ["VLLM_MODEL_REDIRECT_PATH"] = path
 
 
 def _entry_point_active() -> bool:
