@@ -149,6 +149,14 @@ def test_bad_skip_entries_are_named(tmp_path):
             kv_cache_dtype=TQ,
             kv_cache_dtype_skip_layers=["first2"],
         )
+    # An index past the last layer used to be ignored without a word.
+    with pytest.raises(ValueError, match=r"entry 36: .* has 36 layers"):
+        engine_config(
+            tmp_path,
+            "Qwen3-4B",
+            kv_cache_dtype=TQ,
+            kv_cache_dtype_skip_layers=["36"],
+        )
 
 
 def test_dtype_map_is_logged_once(tmp_path, caplog_vllm):

@@ -134,6 +134,13 @@ def resolve_skip_layers(
                 f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}' or "
                 f"'{BOUNDARY_PREFIX}N'."
             )
+        if entry.isdigit() and int(entry) >= text_config.num_hidden_layers:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry}: model "
+                f"{model_config.model!r} has {text_config.num_hidden_layers} layers "
+                f"(indices 0-{text_config.num_hidden_layers - 1}), so it would skip "
+                "nothing. Give an index in range."
+            )
     attention = attention_layer_indices(text_config)
     if not attention:
         raise ValueError(
