@@ -84,14 +84,12 @@ def page_size_not_divisible(
     return KVCachePageSizeError(
         f"Cannot give all KV cache layers one page size: layer '{layer_name}' "
         f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page, "
-        "which does "
-        f"not divide the largest page, {max_page_size} B of layer '{largest}' "
-        f"({type(kv_cache_spec[largest]).__name__}), so no block_size multiple of "
-        f"{layer_spec.block_size} makes them "
-        f"equal.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
-        "To try: make the layers store sizes that divide each other (the same "
-        "--kv-cache-dtype for all attention layers, or exclude the mismatched layers "
-        "with "
+        f"which does not divide the largest page, {max_page_size} B of layer "
+        f"'{largest}' ({type(kv_cache_spec[largest]).__name__}), so no block_size "
+        f"multiple of {layer_spec.block_size} makes them "
+        f"equal.\nLayers:\n{describe_layers(kv_cache_spec)}\nTo try: make the layers "
+        "store sizes that divide each other (the same --kv-cache-dtype for all "
+        "attention layers, or exclude the mismatched layers with "
         "--kv-cache-dtype-skip-layers), or pass --disable-hybrid-kv-cache-manager for "
         "attention-only models."
     )
@@ -128,24 +126,20 @@ def check_scaled_page_size(
             example = next(iter(attn.values()))
             hint = (
                 "\nThe Mamba/linear-attention state page was sized for the main "
-                "model's "
-                f"attention layers, but {len(attn)} attention layer(s) such as "
+                f"model's attention layers, but {len(attn)} attention layer(s) such as "
                 f"'{next(iter(attn))}' store {_bytes_per_token(example)} and need a "
-                "larger "
-                "page. This happens when a separate draft model's attention layers (KV "
-                "heads x "
-                "head_size x dtype) differ from the main model's."
+                "larger page. This happens when a separate draft model's attention "
+                "layers (KV heads x head_size x dtype) differ from the main model's."
             )
     raise KVCachePageSizeError(
         f"Cannot give all KV cache layers one page size: layer '{layer_name}' "
         f"({type(layer_spec).__name__}) has a {layer_spec.page_size_bytes} B page and "
-        "the "
-        f"largest page is {max_page_size} B (layer '{largest}', "
+        f"the largest page is {max_page_size} B (layer '{largest}', "
         f"{type(kv_cache_spec[largest]).__name__}). Scaling its block_size from "
         f"{layer_spec.block_size} to {new_spec.block_size} gives a "
-        f"{new_spec.page_size_bytes} B page, because {why}.{hint}\n"
-        f"Layers:\n{describe_layers(kv_cache_spec)}\n"
-        "To try: use the model's own MTP head as the speculator "
+        f"{new_spec.page_size_bytes} B page, because "
+        f"{why}.{hint}\nLayers:\n{describe_layers(kv_cache_spec)}\nTo try: use the "
+        "model's own MTP head as the speculator "
         '(--speculative-config \'{"method": "mtp", ...}\') or a draft whose attention '
         "layers store the same bytes per token as the main model's, use one "
         "--kv-cache-dtype for every attention layer, or disable speculative decoding."
@@ -196,9 +190,8 @@ def check_planning(
         return
     raise KVCacheSpecError(
         "KV cache planning failed: "
-        f"{what}.\nLayers:\n{describe_layers(kv_cache_spec)}\n"
-        "Please report this with the model, --kv-cache-dtype and --speculative-config "
-        "used."
+        f"{what}.\nLayers:\n{describe_layers(kv_cache_spec)}\nPlease report this with "
+        "the model, --kv-cache-dtype and --speculative-config used."
     )
 
 
@@ -210,8 +203,7 @@ def check_same_spec_across_workers(
     raise KVCacheSpecError(
         f"Layer '{layer_name}' has different KV cache specs on different workers: "
         f"{describe_spec(first)} vs {describe_spec(other)}. All workers of a layer "
-        "must "
-        "agree; check that every rank runs the same model, --kv-cache-dtype and "
+        "must agree; check that every rank runs the same model, --kv-cache-dtype and "
         "tensor-parallel layout."
     )
 
@@ -226,10 +218,8 @@ def check_all_layers_grouped(
     raise KVCacheSpecError(
         f"{len(missing)} layer(s) were not assigned to any KV cache group: "
         f"{missing[:_MAX_ROWS]} (groups hold {sum(len(g.layer_names) for g in groups)} "
-        "layer "
-        f"slots for {len(kv_cache_spec)} layers). Please report this with the model "
-        "and "
-        "pipeline-parallel size used."
+        f"layer slots for {len(kv_cache_spec)} layers). Please report this with the "
+        "model and pipeline-parallel size used."
     )
 
 
@@ -248,8 +238,7 @@ def check_tensor_divisible(tensor: Any, num_blocks: int) -> None:
         return
     raise KVCacheSpecError(
         f"KV cache tensor shared by {tensor.shared_by[:_MAX_ROWS]} has {tensor.size} "
-        "B, "
-        f"which is not a whole number of its {num_blocks} blocks; it cannot be shrunk "
-        "to "
-        "match the other workers. Please report this with the model and parallel sizes."
+        f"B, which is not a whole number of its {num_blocks} blocks; it cannot be "
+        "shrunk to match the other workers. Please report this with the model and "
+        "parallel sizes."
     )
