@@ -1,7 +1,8 @@
 """Build the patched wheel: the pristine PyPI wheel, with the series applied.
 
 Only the files the series writes change; every other member is copied as it
-is. The distribution is renamed to the local version ``X.Y.Z+hybridkv.N`` so
+is, except the METADATA: version label, and the requirements listed in
+``requirements/wheel-requires.txt`` (so that pip resolves a set that runs). The distribution is renamed to the local version ``X.Y.Z+hybridkv.N`` so
 ``pip`` and ``importlib.metadata`` tell a patched install from a pristine one.
 """
 
@@ -18,6 +19,47 @@ from hybridkv.series import Series
 from hybridkv.tree import plan, record_hash, rendered_files
 
 VERSION_FILE = "vllm/_version.py"
+REQUIRES_FILE = REPO / "requirements" / "wheel-requires.txt"
+
+
+def _project(requirement: str) -> str:
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if not m:
+        raise SystemExit(f"{REQUIRES_FILE.name}: not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower()
+
+
+def load_requires(path: Path = REQUIRES_FILE) -> dict[str, str]:
+    """Normalized project name -> the requirement line that replaces pristine's."""
+    lines = [ln.split(" #")[0].strip() for ln in path.read_text().splitlines()]
+    return {_project(ln): ln for ln in lines if ln and not ln.startswith("#")}
+
+
+def steer_requirements(metadata: bytes, requires: dict[str, str]) -> bytes:
+    """Replace the pristine ``Requires-Dist`` line of each project in ``requires``.
+
+    Only lines without an ``extra ==`` marker are replaced (extras keep their
+    own pins). A project pristine does not require means the base drifted.
+    """
+    text = metadata.decode()
+    seen: set[str] = set()
+
+    def swap(m: re.Match) -> str:
+        requirement = m.group(1)
+        name = _project(requirement)
+        if name not in requires or "extra ==" in requirement:
+            return m.group(0)
+        seen.add(name)
+        return f"Requires-Dist: {requires[name]}"
+
+    text = re.sub(r"^Requires-Dist: (.*)$", swap, text, flags=re.M)
+    missing = sorted(set(requires) - seen)
+    if missing:
+        raise SystemExit(
+            f"{REQUIRES_FILE.name}: the pristine METADATA has no Requires-Dist for "
+            f"{', '.join(missing)}; remove them there or check the base."
+        )
+    return text.encode()
 
 
 def _relabel_version_file(text: str, label: str) -> str:
@@ -56,6 +98,7 @@ def build(pristine_whl: Path, series: Series, out_dir: Path = REPO / "dist", log
                 data = re.sub(
                     rb"^Version: .*$", f"Version: {base.label}".encode(), data, count=1, flags=re.M
                 )
+                data = steer_requirements(data, load_requires())
             if name.startswith(old_info + "/"):
                 name = new_info + name[len(old_info):]
             _write(dst, info, name, data)

@@ -16,6 +16,9 @@ printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the li
 printf '\n== hybridkv tests (tests/)\n'
 "$py" -m pytest tests -q -p no:cacheprovider "$@"
 
+printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh)\n'
+HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
+
 printf '\n== Triton kernels under the CPU interpreter (tests/kernels)\n'
 # Its own process: the interpreter must be chosen before Triton and vLLM load.
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider

@@ -330,7 +330,7 @@ def gemma4_mm(
 
     Note: transformers >= 5.15 turns ``global_head_dim`` /
     ``num_global_key_value_heads`` into a heterogeneous ``per_layer_config``,
-    which vLLM 0.20.2 cannot read (see test_tiny_configs.py).
+    which vLLM 0.20.2 cannot read and patch 0009 can (see test_tiny_configs.py).
     """
     if layer_types is None:
         layer_types = interval_layer_types(
@@ -398,6 +398,46 @@ def gemma4_mm(
         "dtype": dtype,
     }
     return _finish(path, config, overrides, with_tokenizer)
+
+
+def write_gemma4_processor(path: str | Path, max_soft_tokens: int = 70) -> Path:
+    """Write a local ``Gemma4Processor`` (image, video, audio parts) into ``path``.
+
+    ``path`` must hold a tiny Gemma 4 written with ``with_tokenizer=True``; pass
+    ``vision_overrides={"default_output_length": max_soft_tokens}`` to
+    ``gemma4_mm`` so vLLM sizes image placeholders the same. 70 soft tokens is
+    the smallest budget transformers' image processor accepts.
+    """
+    from transformers import (
+        AutoTokenizer,
+        Gemma4AudioFeatureExtractor,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    path = Path(path)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    # The processor reads its placeholders from the tokenizer's named specials.
+    tokenizer_config["extra_special_tokens"] = {
+        "image_token": "<image_soft_token>",
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "audio_token": "<audio_soft_token>",
+        "boa_token": "<start_of_audio>",
+        "eoa_token": "<end_of_audio>",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    processor = Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(max_soft_tokens=max_soft_tokens),
+        tokenizer=AutoTokenizer.from_pretrained(str(path)),
+        video_processor=Gemma4VideoProcessor(),
+        image_seq_length=max_soft_tokens,
+        chat_template=tokenizer_config["chat_template"],
+    )
+    processor.save_pretrained(str(path))
+    return path
 
 
 def qwen3_dense(

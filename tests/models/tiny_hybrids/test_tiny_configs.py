@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What stock vLLM 0.20.2 parses from the tiny builders and the full-size records.
+"""What vLLM (0.20.2 with the series) parses from the tiny builders and the full-size records.
 
 Three depths, so that a failure says how far vLLM got:
 
@@ -14,13 +14,12 @@ Three depths, so that a failure says how far vLLM got:
    vLLM's qwen3_5.py / qwen3_5_mtp.py / gemma4_mm.py import transformers'
    image processors, which need torchvision (the test env has it).
 
-Gemma 4 with transformers >= 5.15 (the test env pins 5.14.1; the GPU image has
-5.17): ``Gemma4TextConfig`` turns ``global_head_dim``
-and ``num_global_key_value_heads`` into a heterogeneous ``per_layer_config``
-and drops the two attributes; reading ``head_dim`` on the text config then
-raises ``AmbiguousGlobalPerLayerAttributeError``, which vLLM 0.20.2 does in
-its arch-config convertor. Those cases are strict xfails: they start failing
-(XPASS) the day vLLM reads such configs, which is the cue to update them.
+Gemma 4 with transformers >= 5.15: ``Gemma4TextConfig`` turns
+``global_head_dim`` and ``num_global_key_value_heads`` into a heterogeneous
+``per_layer_config`` and reading ``head_dim`` on the text config raises
+``AmbiguousGlobalPerLayerAttributeError``; vLLM 0.20.2 fails on it, patch 0009
+reads both layouts. CI runs this module under the test env's transformers
+(5.14.1) and again under 5.17.0 and 5.23.0 (scripts/test-transformers.sh).
 """
 
 from dataclasses import dataclass, field
@@ -44,26 +43,6 @@ from .builders import layer_indices
 from .tokenizer import EOS_ID, TINY_VOCAB_SIZE
 
 pytestmark = pytest.mark.cpu_test
-
-
-try:
-    from transformers.integrations.heterogeneity.configuration_utils import (
-        AmbiguousGlobalPerLayerAttributeError,
-    )
-except ImportError:  # transformers without per-layer configs
-
-    class AmbiguousGlobalPerLayerAttributeError(RuntimeError):  # type: ignore[no-redef]
-        pass
-
-
-def _gemma4_is_per_layer() -> bool:
-    from transformers import Gemma4TextConfig
-
-    config = Gemma4TextConfig(num_hidden_layers=6)
-    return bool(getattr(config, "is_heterogeneous", False))
-
-
-GEMMA4_PER_LAYER = _gemma4_is_per_layer()
 
 
 @dataclass(frozen=True)
@@ -192,24 +171,12 @@ def test_expectations_cover_everything():
 
 # ---- cases and their marks -------------------------------------------------
 
-_GEMMA4_XFAIL = pytest.mark.xfail(
-    GEMMA4_PER_LAYER,
-    raises=AmbiguousGlobalPerLayerAttributeError,
-    strict=True,
-    reason="vLLM 0.20.2 reads head_dim/global_head_dim off Gemma 4's text config, "
-    "which transformers >= 5.15 makes per-layer",
-)
-
-
 def _cases(depth: str) -> list:
     """(kind, name) params for tests at ``depth`` in {"hf", "arch", "model"}."""
     params = []
     for kind, table in (("tiny", TINY), ("full", FULL_SIZE)):
         for name, exp in table.items():
-            marks = []
-            if exp.is_gemma4 and depth in ("arch", "model"):
-                marks.append(_GEMMA4_XFAIL)
-            params.append(pytest.param(kind, name, marks=marks, id=f"{kind}-{name}"))
+            params.append(pytest.param(kind, name, id=f"{kind}-{name}"))
     return params
 
 
