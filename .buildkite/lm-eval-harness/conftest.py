@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from hybridkv_lm_eval.config import read_config_list
 
 
@@ -14,14 +13,18 @@ def pytest_addoption(parser):
         help="file listing the job config YAMLs to run (one per line, relative to it)",
     )
     parser.addoption(
-        "--tp-size", action="store", default="1", help="tensor parallel size of both engines"
+        "--tp-size",
+        action="store",
+        default="1",
+        help="tensor parallel size of both engines",
     )
     parser.addoption(
         "--results-dir",
         action="store",
         default=None,
-        help="where each engine's scores are written (JSON); a baseline whose settings, "
-        "tasks and limits match one already there is reused (default: a temp dir)",
+        help="where each engine's scores are written (JSON); a baseline whose "
+        "settings, tasks and limits match one already there is reused "
+        "(default: a temp dir)",
     )
 
 
@@ -42,6 +45,8 @@ def pytest_generate_tests(metafunc):
     if "config_filename" in metafunc.fixturenames:
         list_file = metafunc.config.getoption("--config-list-file")
         if not list_file:
-            raise pytest.UsageError("--config-list-file is required (e.g. configs/models-tiny.txt)")
+            raise pytest.UsageError(
+                "--config-list-file is required (e.g. configs/models-tiny.txt)"
+            )
         configs = read_config_list(Path(list_file).resolve())
         metafunc.parametrize("config_filename", configs, ids=[c.stem for c in configs])

@@ -25,11 +25,22 @@ def _side_key(config: dict, role: str, tp_size: int) -> str:
     """What decides an engine's scores; equal keys give the same run."""
     shared = {
         k: config.get(k)
-        for k in ("model_name", "num_fewshot", "limit", "batch_size", "apply_chat_template",
-                  "fewshot_as_multiturn", "gen_kwargs", "trust_remote_code", "add_bos_token")
+        for k in (
+            "model_name",
+            "num_fewshot",
+            "limit",
+            "batch_size",
+            "apply_chat_template",
+            "fewshot_as_multiturn",
+            "gen_kwargs",
+            "trust_remote_code",
+            "add_bos_token",
+        )
     }
     # Which metrics are read from a run does not change the run.
-    shared["tasks"] = [{k: v for k, v in t.items() if k != "metrics"} for t in config["tasks"]]
+    shared["tasks"] = [
+        {k: v for k, v in t.items() if k != "metrics"} for t in config["tasks"]
+    ]
     blob = json.dumps(
         {"shared": shared, "engine": job_config.side(config, role), "tp": tp_size},
         sort_keys=True,
@@ -38,15 +49,33 @@ def _side_key(config: dict, role: str, tp_size: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def run_side(config_file: Path, config: dict, role: str, tp_size: int, results_dir: Path) -> dict:
+def run_side(
+    config_file: Path, config: dict, role: str, tp_size: int, results_dir: Path
+) -> dict:
     out = results_dir / f"{_side_key(config, role, tp_size)}.json"
     if out.is_file():
-        print(f"{role}: reusing {out} (same engine, tasks and limits, run earlier in this job)")
+        print(
+            f"{role}: reusing {out} "
+            "(same engine, tasks and limits, run earlier in this job)"
+        )
     else:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "hybridkv_lm_eval.run_side", "--config", str(config_file),
-               "--role", role, "--tp-size", str(tp_size), "--out", str(out)]
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(HERE), env.get("PYTHONPATH")])
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "hybridkv_lm_eval.run_side",
+            "--config",
+            str(config_file),
+            "--role",
+            role,
+            "--tp-size",
+            str(tp_size),
+            "--out",
+            str(out),
+        ]
         print(f"{role}: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, cwd=HERE, env=env, check=True)
     run = json.loads(out.read_text())
@@ -63,4 +92,6 @@ def test_lm_eval_correctness_param(config_filename, tp_size, results_dir):
     for c in comparisons:
         print(c.line())
     failed = [c.line() for c in comparisons if not c.passed]
-    assert not failed, f"{config_filename.name}: candidate below tolerance:\n" + "\n".join(failed)
+    assert not failed, (
+        f"{config_filename.name}: candidate below tolerance:\n" + "\n".join(failed)
+    )

@@ -50,17 +50,26 @@ class MissingMetric(KeyError):
         return str(self.args[0])
 
 
-def _score(scores: dict[str, dict[str, Any]], role: str, task: str, metric: str) -> float:
+def _score(
+    scores: dict[str, dict[str, Any]], role: str, task: str, metric: str
+) -> float:
     if task not in scores:
-        raise MissingMetric(f"the {role} run reported no task {task!r}; it reported {sorted(scores)}")
-    if metric not in scores[task]:
-        reported = sorted(k for k in scores[task] if not k.endswith("_stderr") and "," in k)
         raise MissingMetric(
-            f"the {role} run reported no metric {metric!r} for {task}; it reported {reported}"
+            f"the {role} run reported no task {task!r}; it reported {sorted(scores)}"
+        )
+    if metric not in scores[task]:
+        reported = sorted(
+            k for k in scores[task] if not k.endswith("_stderr") and "," in k
+        )
+        raise MissingMetric(
+            f"the {role} run reported no metric {metric!r} for {task}; "
+            f"it reported {reported}"
         )
     value = scores[task][metric]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MissingMetric(f"the {role} run's {task} {metric} is not a number: {value!r}")
+        raise MissingMetric(
+            f"the {role} run's {task} {metric} is not a number: {value!r}"
+        )
     return float(value)
 
 
@@ -79,7 +88,9 @@ def compare(
                     task=task["name"],
                     metric=metric["name"],
                     baseline=_score(baseline, "baseline", task["name"], metric["name"]),
-                    candidate=_score(candidate, "candidate", task["name"], metric["name"]),
+                    candidate=_score(
+                        candidate, "candidate", task["name"], metric["name"]
+                    ),
                     rtol=float(metric.get("rtol", config["rtol"])),
                     atol=float(metric.get("atol", config["atol"])),
                 )

@@ -33,7 +33,14 @@ TURBOQUANT_PRESETS = (
     "turboquant_k3v4_nc",
     "turboquant_3bit_nc",
 )
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", *TURBOQUANT_PRESETS)
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    *TURBOQUANT_PRESETS,
+)
 BACKENDS = ("vllm", "vllm-vlm", "dummy")
 
 # vLLM's lm-eval-harness DEFAULT_RTOL; ours is relative to the baseline run.
@@ -66,8 +73,13 @@ _TOP_LEVEL: dict[str, tuple[tuple[type, ...], Any]] = {
 _REQUIRED = ("model_name", "tasks", "baseline")
 # What the baseline engine may change; the tasks, limits and tolerance are shared.
 _BASELINE_KEYS = (
-    "kv_cache_dtype", "engine_args", "env_vars", "enforce_eager", "max_model_len",
-    "tokenizer", "backend",
+    "kv_cache_dtype",
+    "engine_args",
+    "env_vars",
+    "enforce_eager",
+    "max_model_len",
+    "tokenizer",
+    "backend",
 )
 _TASK_KEYS = ("name", "metrics", "num_fewshot", "limit", "metadata")
 _METRIC_KEYS = ("name", "rtol", "atol")
@@ -99,7 +111,9 @@ def task_metadata(task: dict[str, Any]) -> dict[str, Any]:
         # Our task YAMLs use lm-eval's !function tag; only their metadata is read here.
         loader = type("_Loader", (yaml.SafeLoader,), {})
         loader.add_constructor("!function", lambda _loader, node: node.value)
-        merged.update((yaml.load(task_file.read_text(), Loader=loader) or {}).get("metadata", {}))
+        merged.update(
+            (yaml.load(task_file.read_text(), Loader=loader) or {}).get("metadata", {})
+        )
     merged.update(task.get("metadata") or {})
     return merged
 
@@ -107,7 +121,9 @@ def task_metadata(task: dict[str, Any]) -> dict[str, Any]:
 def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str, Any]:
     """Check ``config`` and return it with defaults filled in (a copy)."""
     if not isinstance(config, dict):
-        _fail(path, f"expected a mapping at the top level, found {type(config).__name__}")
+        _fail(
+            path, f"expected a mapping at the top level, found {type(config).__name__}"
+        )
     unknown = sorted(set(config) - set(_TOP_LEVEL))
     if unknown:
         _fail(path, f"unknown keys {unknown}; known: {sorted(_TOP_LEVEL)}")
@@ -118,10 +134,11 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
     for key, (types, default) in _TOP_LEVEL.items():
         if key in out:
             value = out[key]
-            if isinstance(value, bool) and bool not in types:
-                _fail(path, f"{key} must be {'/'.join(t.__name__ for t in types)}, found {value!r}")
-            if not isinstance(value, types):
-                _fail(path, f"{key} must be {'/'.join(t.__name__ for t in types)}, found {value!r}")
+            # bool is an int to isinstance(), but True is no max_model_len.
+            wrong_bool = isinstance(value, bool) and bool not in types
+            if wrong_bool or not isinstance(value, types):
+                expected = "/".join(t.__name__ for t in types)
+                _fail(path, f"{key} must be {expected}, found {value!r}")
         elif default is not None:
             out[key] = default
     if out["backend"] not in BACKENDS:
@@ -135,7 +152,11 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
         if not isinstance(task, dict) or not isinstance(task.get("name"), str):
             _fail(path, f"{where} must be a mapping with a string 'name'")
         if extra := sorted(set(task) - set(_TASK_KEYS)):
-            _fail(path, f"{where} ({task['name']}): unknown keys {extra}; known: {list(_TASK_KEYS)}")
+            _fail(
+                path,
+                f"{where} ({task['name']}): unknown keys {extra}; "
+                f"known: {list(_TASK_KEYS)}",
+            )
         metrics = task.get("metrics")
         if not isinstance(metrics, list) or not metrics:
             _fail(path, f"{where} ({task['name']}): metrics must be a non-empty list")
@@ -151,29 +172,47 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
                     "stored number: drop 'value' and set 'baseline'",
                 )
             if extra := sorted(set(metric) - set(_METRIC_KEYS)):
-                _fail(path, f"{mwhere}: unknown keys {extra}; known: {list(_METRIC_KEYS)}")
+                _fail(
+                    path, f"{mwhere}: unknown keys {extra}; known: {list(_METRIC_KEYS)}"
+                )
             _check_tolerance(path, f"{mwhere}.", metric)
         if "metadata" in task and not isinstance(task["metadata"], dict):
             _fail(path, f"{where} ({task['name']}): metadata must be a mapping")
 
     baseline = out["baseline"]
     if not baseline:
-        _fail(path, "baseline is empty: the baseline engine must differ from the candidate")
+        _fail(
+            path,
+            "baseline is empty: the baseline engine must differ from the candidate",
+        )
     if extra := sorted(set(baseline) - set(_BASELINE_KEYS)):
-        _fail(path, f"baseline: unknown keys {extra}; the baseline may change {list(_BASELINE_KEYS)}")
+        _fail(
+            path,
+            f"baseline: unknown keys {extra}; "
+            f"the baseline may change {list(_BASELINE_KEYS)}",
+        )
     if "engine_args" in baseline and not isinstance(baseline["engine_args"], dict):
         _fail(path, "baseline.engine_args must be a mapping")
     candidate, base = side(out, "candidate"), side(out, "baseline")
     if candidate == base:
-        _fail(path, "baseline changes nothing: both engines would run the same settings")
+        _fail(
+            path, "baseline changes nothing: both engines would run the same settings"
+        )
     for role, settings in (("candidate", candidate), ("baseline", base)):
         if settings["kv_cache_dtype"] not in KV_CACHE_DTYPES:
-            _fail(path, f"{role} kv_cache_dtype must be one of {KV_CACHE_DTYPES}, found {settings['kv_cache_dtype']!r}")
-    if candidate["kv_cache_dtype"] in TURBOQUANT_PRESETS and base["kv_cache_dtype"] != "auto":
+            _fail(
+                path,
+                f"{role} kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"found {settings['kv_cache_dtype']!r}",
+            )
+    if (
+        candidate["kv_cache_dtype"] in TURBOQUANT_PRESETS
+        and base["kv_cache_dtype"] != "auto"
+    ):
         _fail(
             path,
-            f"a TurboQuant job ({candidate['kv_cache_dtype']}) compares against the 'auto' KV "
-            f"cache, but its baseline uses {base['kv_cache_dtype']!r}",
+            f"a TurboQuant job ({candidate['kv_cache_dtype']}) compares against the "
+            f"'auto' KV cache, but its baseline uses {base['kv_cache_dtype']!r}",
         )
 
     for role, settings in (("candidate", candidate), ("baseline", base)):
@@ -182,8 +221,9 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
             if length is not None and int(length) > settings["max_model_len"]:
                 _fail(
                     path,
-                    f"task {task['name']} builds prompts of up to {length} tokens, but the "
-                    f"{role} engine's max_model_len is {settings['max_model_len']}; raise "
+                    f"task {task['name']} builds prompts of up to {length} tokens, "
+                    f"but the {role} engine's max_model_len is "
+                    f"{settings['max_model_len']}; raise "
                     "max_model_len or drop the task",
                 )
     return out
@@ -237,7 +277,11 @@ def read_config_list(list_file: str | Path) -> list[Path]:
     """The config files a ``models-*.txt`` names (one per line, '#' comments)."""
     list_file = Path(list_file)
     lines = list_file.read_text(encoding="utf-8").splitlines()
-    paths = [list_file.parent / ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    paths = [
+        list_file.parent / ln.strip()
+        for ln in lines
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     if missing := [str(p) for p in paths if not p.is_file()]:
         raise ConfigError(f"{list_file}: names configs that do not exist: {missing}")
     return paths

@@ -73,7 +73,9 @@ def run(config: dict[str, Any], role: str, tp_size: int) -> dict[str, Any]:
         "env_vars": settings["env_vars"],
         "results": scores,
         "seconds": round(time.monotonic() - started, 1),
-        "versions": {d: _version(d) for d in ("vllm", "lm_eval", "transformers", "torch")},
+        "versions": {
+            d: _version(d) for d in ("vllm", "lm_eval", "transformers", "torch")
+        },
     }
 
 

@@ -31,34 +31,91 @@ DEFAULT_RESERVE_TOKENS = 16
 _GOLDEN = 0.6180339887498949
 
 _SUBJECTS = (
-    "The archivist", "A ferry pilot", "The night baker", "Our neighbour",
-    "The surveyor", "A retired teacher", "The lighthouse keeper",
-    "The orchard manager", "A travelling tailor", "The station master",
-    "The young cartographer", "A beekeeper", "The choir director",
+    "The archivist",
+    "A ferry pilot",
+    "The night baker",
+    "Our neighbour",
+    "The surveyor",
+    "A retired teacher",
+    "The lighthouse keeper",
+    "The orchard manager",
+    "A travelling tailor",
+    "The station master",
+    "The young cartographer",
+    "A beekeeper",
+    "The choir director",
 )
 _VERBS = (
-    "sorted", "repainted", "measured", "catalogued", "carried", "repaired",
-    "counted", "described", "photographed", "polished", "rearranged",
+    "sorted",
+    "repainted",
+    "measured",
+    "catalogued",
+    "carried",
+    "repaired",
+    "counted",
+    "described",
+    "photographed",
+    "polished",
+    "rearranged",
 )
 _OBJECTS = (
-    "the old maps", "a crate of pears", "the station clock", "three wooden chairs",
-    "the harbour ledgers", "a box of brass buttons", "the garden fence",
-    "a stack of letters", "the copper kettles", "the library shelves",
-    "a basket of walnuts", "the signal lamps",
+    "the old maps",
+    "a crate of pears",
+    "the station clock",
+    "three wooden chairs",
+    "the harbour ledgers",
+    "a box of brass buttons",
+    "the garden fence",
+    "a stack of letters",
+    "the copper kettles",
+    "the library shelves",
+    "a basket of walnuts",
+    "the signal lamps",
 )
 _TAILS = (
-    "before the rain started", "on a quiet Tuesday", "while the kettle boiled",
-    "near the northern gate", "after the market closed", "without saying a word",
-    "under a grey sky", "as the tide came in", "for the winter fair",
-    "by the light of a lantern", "in less than an hour",
+    "before the rain started",
+    "on a quiet Tuesday",
+    "while the kettle boiled",
+    "near the northern gate",
+    "after the market closed",
+    "without saying a word",
+    "under a grey sky",
+    "as the tide came in",
+    "for the winter fair",
+    "by the light of a lantern",
+    "in less than an hour",
 )
 _KEY_ADJECTIVES = (
-    "amber", "quiet", "crimson", "hollow", "silver", "patient", "frosty",
-    "golden", "restless", "velvet", "distant", "brisk", "gentle", "wild",
+    "amber",
+    "quiet",
+    "crimson",
+    "hollow",
+    "silver",
+    "patient",
+    "frosty",
+    "golden",
+    "restless",
+    "velvet",
+    "distant",
+    "brisk",
+    "gentle",
+    "wild",
 )
 _KEY_NOUNS = (
-    "falcon", "harbor", "meadow", "lantern", "violin", "glacier", "orchard",
-    "compass", "thimble", "comet", "quarry", "saddle", "beacon", "willow",
+    "falcon",
+    "harbor",
+    "meadow",
+    "lantern",
+    "violin",
+    "glacier",
+    "orchard",
+    "compass",
+    "thimble",
+    "comet",
+    "quarry",
+    "saddle",
+    "beacon",
+    "willow",
 )
 
 INSTRUCTION = (
@@ -203,8 +260,13 @@ def score(target: str, output: str) -> float:
 
 # ---- lm-eval hooks (imported by lm-eval from the task YAMLs) ----------------------
 
-_SAMPLE_KEYS = ("context_length", "seed", "num_distractors", "max_gen_toks",
-                "reserve_tokens")
+_SAMPLE_KEYS = (
+    "context_length",
+    "seed",
+    "num_distractors",
+    "max_gen_toks",
+    "reserve_tokens",
+)
 
 
 def build_dataset(**metadata: Any) -> dict[str, Any]:
