@@ -5,19 +5,22 @@
 # job runs: NIAH data built offline with the model's tokenizer, the baseline (KV auto)
 # and candidate (turboquant_4bit_nc) engines each in their own process, and the
 # tolerance comparison.
-#   usage: bash .buildkite/lm-eval-harness/run-lm-eval-tiny-e2e.sh [OUT_DIR]
+#   usage: bash .buildkite/lm-eval-harness/run-lm-eval-tiny-e2e.sh [RESULTS_DIR]
+# Each engine's scores go to RESULTS_DIR (default: results-tiny beside this script) as
+# JSON; the model and job config are written to a temporary folder (its path is printed).
 # HYBRIDKV_TINY_MODEL=qwen3_next uses a tiny Qwen3-Next (GDN + attention + MoE) instead.
 # Needs on PYTHONPATH (or installed): the patched vLLM, lm-eval 0.4.13 and what it
 # imports; the repository root is added here for tests.models.tiny_hybrids.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-out=$(mkdir -p "${1:-$here/results-tiny}" && cd "${1:-$here/results-tiny}" && pwd)
+results=$(mkdir -p "${1:-$here/results-tiny}" && cd "${1:-$here/results-tiny}" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/hybridkv-lm-eval-tiny.XXXXXX")
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 
-python3 - "$out" <<'PY'
+python3 - "$work" <<'PY'
 import os
 import sys
 from pathlib import Path
@@ -53,6 +56,8 @@ atol: 0.0
 print(f"wrote {model} and {out / 'tiny-TQ-4bit-nc.yaml'}")
 PY
 
+cat "$work/tiny-TQ-4bit-nc.yaml"
+
 cd "$here"
 python3 -m pytest -s -v test_lm_eval_correctness.py \
-  --config-list-file="$out/models-tiny.txt" --tp-size=1 --results-dir="$out/results"
+  --config-list-file="$work/models-tiny.txt" --tp-size=1 --results-dir="$results"
