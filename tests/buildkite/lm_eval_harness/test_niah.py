@@ -151,6 +151,8 @@ def test_budget_too_small_says_what_to_change():
 def test_score():
     assert niah.score("1234567", " 1234567.") == 1.0
     assert niah.score("1234567", " 123456") == 0.0
+    assert niah.score("1234567", "The number is 1234567") == 1.0
+    assert niah.score("1234567", " 12345678") == 0.0
     assert niah.process_results({"target": "42"}, [" it is 42"]) == {"niah_recall": 1.0}
 
 

@@ -22,6 +22,7 @@ local path for ``AutoTokenizer``) and any per-job overrides.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -254,8 +255,9 @@ def make_samples(
 
 
 def score(target: str, output: str) -> float:
-    """1.0 when the needle's value appears in the model's answer, else 0.0."""
-    return float(target in output)
+    """1.0 when the needle's value appears in the model's answer as a whole number
+    (not inside a longer one), else 0.0."""
+    return float(re.search(rf"(?<!\d){re.escape(target)}(?!\d)", output) is not None)
 
 
 # ---- lm-eval hooks (imported by lm-eval from the task YAMLs) ----------------------
