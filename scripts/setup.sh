@@ -24,14 +24,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 hk="$VENV/bin/hybridkv"
 
-step "pristine vLLM (PyPI, sha256 from requirements/vllm-base.txt)"
-"$hk" fetch
-
-step "series against pristine vLLM"
-"$hk" check
-
-step "patched wheel"
-"$hk" wheel
+bash scripts/build-wheel.sh "$hk"  # fetch + verify, check, wheel (docker/Dockerfile runs it too)
 wheel=$(ls -t dist/vllm-*+hybridkv.*.whl | head -n 1)
 
 step "install $wheel (no deps: the CPU test env supplies them)"
