@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU checks of spec_decode_matrix.py: cells, engine arguments, metrics,
+comparison, table, and the injected faults (hook points and what they do)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from . import spec_decode_matrix as sdm
+
+pytestmark = pytest.mark.cpu_test
+
+CKPTS = {
+    "qwen3_next": "/c/qwen3_next",
+    "qwen3_5": "/c/qwen3_5",
+    "qwen3_dense": "/c/qwen3_dense",
+    "qwen3_dense_draft": "/c/qwen3_dense_draft",
+    "self_draft": "/c/qwen3_dense_copy",
+}
+
+
+def test_quick_covers_the_required_cells():
+    quick = {c.key for c in sdm.QUICK_CELLS}
+    required = [
+        *(
+            f"qwen3_next.{kv}.mtp3.{cg}"
+            for kv in ("auto", "turboquant_4bit_nc")
+            for cg in ("NONE", "FULL_AND_PIECEWISE")
+        ),
+        "qwen3_5.turboquant_4bit_nc.mtp1.FULL_AND_PIECEWISE",
+        "qwen3_dense.turboquant_4bit_nc.ngram3.FULL_AND_PIECEWISE",
+        "hybrid_draft.turboquant_4bit_nc.draft3.FULL_AND_PIECEWISE",
+    ]
+    assert set(required) <= quick
+    assert set(quick) <= {c.key for c in sdm.full_cells()}
+
+
+def test_full_matrix_axes():
+    cells = sdm.full_cells()
+    assert {c.kv for c in cells} == set(sdm.KV_DTYPES)
+    assert {c.cg for c in cells} == set(sdm.CG_MODES)
+    assert {c.spec for c in cells} == {"mtp1", "mtp3", "ngram3", "draft3"}
+    # 2 specs x 3 models + 1 (hybrid + draft), each over 4 kv x 3 modes.
+    assert len(cells) == 7 * 12
+    # hybrid + draft compares against the hybrid main's own reference.
+    c = sdm.Cell("hybrid_draft", "auto", "draft3", "NONE")
+    assert c.reference() == sdm.Cell("qwen3_next", "auto", "none", "NONE")
+
+
+def test_select_filters_and_rejects_bad_filters():
+    cells = sdm.select(sdm.full_cells(), "model=qwen3_next,cg=NONE|PIECEWISE")
+    assert cells and all(
+        c.model == "qwen3_next" and c.cg in ("NONE", "PIECEWISE") for c in cells
+    )
+    with pytest.raises(SystemExit, match="field=value"):
+        sdm.select(sdm.full_cells(), "mode=NONE")
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["out", "--quick"], {"quick": True, "inject": None, "jobs": 8}),
+        (["out", "--inject", "gdn-offset-zero"], {"inject": "gdn-offset-zero"}),
+        (["out", "--speed", "--timeout", "300"], {"speed": True, "timeout": 300}),
+        (["--table", "a.json", "b.json"], {"table": ["a.json", "b.json"]}),
+    ],
+)
+def test_parse_args(argv, expect):
+    args = sdm.parse_args(argv)
+    for k, v in expect.items():
+        assert getattr(args, k) == v
+
+
+def test_parse_args_rejects_unknown_fault_and_missing_outdir():
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["out", "--inject", "nope"])
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["--quick"])
+
+
+def test_engine_kwargs():
+    none = sdm.engine_kwargs(sdm.Cell("qwen3_5", "auto", "none", "NONE"), CKPTS)
+    assert none["enforce_eager"] and "speculative_config" not in none
+    assert none["language_model_only"] and not none["disable_log_stats"]
+    full = sdm.engine_kwargs(
+        sdm.Cell("qwen3_next", "turboquant_4bit_nc", "mtp3", "FULL_AND_PIECEWISE"),
+        CKPTS,
+    )
+    assert "enforce_eager" not in full
+    assert full["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert full["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert full["kv_cache_dtype"] == "turboquant_4bit_nc"
+    hybrid = sdm.engine_kwargs(
+        sdm.Cell("hybrid_draft", "auto", "draft3", "PIECEWISE"), CKPTS
+    )
+    assert hybrid["model"] == CKPTS["qwen3_next"]
+    assert hybrid["speculative_config"]["model"] == CKPTS["qwen3_dense_draft"]
+    dense = sdm.engine_kwargs(sdm.Cell("qwen3_dense", "auto", "draft3", "NONE"), CKPTS)
+    assert dense["speculative_config"]["model"] == CKPTS["self_draft"]
+    # Every engine argument must survive the JSON hop to the child.
+    json.dumps(full)
+
+
+def test_spec_metrics_histogram():
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    metrics = [
+        Counter("vllm:spec_decode_num_drafts", {}, 10),
+        Counter("vllm:spec_decode_num_draft_tokens", {}, 30),
+        Counter("vllm:spec_decode_num_accepted_tokens", {}, 17),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, [8, 6, 3]),
+        Gauge("vllm:kv_cache_usage_perc", {}, 0.1),
+    ]
+    m = sdm.spec_metrics(metrics)
+    # drafts with exactly 0, 1, 2, 3 accepted
+    assert m["histogram"] == [2, 2, 3, 3]
+    assert sum(j * n for j, n in enumerate(m["histogram"])) == 17
+    assert m["mean_accept_len"] == pytest.approx(2.7)
+    assert sdm.spec_metrics([]) == {}
+
+
+def _rec(outputs, gaps=None):
+    rec = {
+        "outputs": outputs,
+        "metrics": {"histogram": [1, 0, 3], "mean_accept_len": 2.5},
+    }
+    if gaps is not None:
+        rec["gaps"] = gaps
+    return rec
+
+
+def test_compare():
+    ref = _rec([[1, 2, 3, 4], [5, 6, 7, 8]], gaps=[[1.0, 1.0, 0.001, 1.0]] * 2)
+    row = sdm.compare(ref, _rec([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    assert row["status"] == "exact" and row["prompts_exact"] == "2/2"
+    assert row["histogram"] == [1, 0, 3]
+    row = sdm.compare(ref, _rec([[1, 2, 3, 4], [5, 9, 7, 8]]))
+    assert row["status"] == "DIFF 1@1" and row["first_diffs"] == [(1, 1)]
+    # A first divergence at a near-tie of the reference is marked as such.
+    row = sdm.compare(ref, _rec([[1, 2, 0, 4], [5, 6, 7, 8]]))
+    assert row["status"] == "DIFF 0@2 tie"
+    # A shorter output is a divergence too.
+    assert sdm.compare(ref, _rec([[1, 2, 3], [5, 6, 7, 8]]))["status"] == "DIFF 0@3"
+    row = sdm.compare(ref, {"crash": "RuntimeError: boom"})
+    assert row["status"] == "CRASH(spec)" and row["crash"] == "RuntimeError: boom"
+
+
+def test_crash_text():
+    log = "INFO x\nTraceback (most recent call last):\n  File ...\n"
+    log += "RuntimeError: Cannot copy between CPU and CUDA tensors during capture\n"
+    log += "  more context\n"
+    assert sdm.crash_text(log).startswith("RuntimeError: Cannot copy between")
+    assert sdm.crash_text("torch.OutOfMemoryError: CUDA out of memory. x") == (
+        "torch.OutOfMemoryError: CUDA out of memory. x"
+    )
+    assert sdm.crash_text("") == "no output"
+
+
+def test_table_from_result_json(tmp_path, capsys):
+    rows = [
+        {
+            "model": "qwen3_next",
+            "kv": "turboquant_4bit_nc",
+            "spec": "mtp3",
+            "cg": "FULL_AND_PIECEWISE",
+            "status": "exact",
+            "prompts_exact": "12/12",
+            "distinct_min": 61,
+            "histogram": [3, 1, 2, 90],
+            "mean_accept_len": 3.86,
+        },
+        {
+            "model": "qwen3_dense",
+            "kv": "auto",
+            "spec": "ngram3",
+            "cg": "NONE",
+            "status": "CRASH(spec)",
+            "crash": "RuntimeError: Cannot copy between CPU and CUDA tensors",
+        },
+    ]
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps({"rows": rows}))
+    speed = tmp_path / "speed.json"
+    speed.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"cg": "FULL_AND_PIECEWISE", "out_tok_s": 1999.0, "wall": 1},
+                    {"cg": "NONE", "crash": "ValueError: x", "wall": 1},
+                ]
+            }
+        )
+    )
+    assert sdm.main(["--table", str(path), str(speed)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "model", "kv", "spec", "cg", "status", "exact", "dist", "accept", "hist", "len"
+    ]  # fmt: skip
+    assert "4bit_nc" in lines[1] and "full+pw" in lines[1] and "3,1,2,90" in lines[1]
+    assert "3.86" in lines[1]
+    assert "CRASH(spec)" in lines[2]
+    assert "qwen3_dense.auto.ngram3.NONE: RuntimeError: Cannot copy" in out
+    assert "1/2 cells exact" in out
+    assert "1999.0 out tok/s" in out and "CRASH ValueError: x" in out
+    assert "not meaningful" in out
+
+
+def test_fault_hook_points_exist_in_installed_vllm():
+    """The FAULTS table names attributes that exist: apply_fault would fail
+    loudly otherwise (checked without patching anything)."""
+    import importlib
+
+    for name, targets in sdm.FAULTS.items():
+        for module, cls_name, attr, _ in targets:
+            cls = getattr(importlib.import_module(module), cls_name)
+            assert attr in vars(cls), f"{name}: {cls_name}.{attr}"
+
+
+def test_apply_fault_names_a_moved_hook(monkeypatch):
+    monkeypatch.setitem(
+        sdm.FAULTS, "gdn-offset-zero", [("json", "NoSuchClass", "build", None)]
+    )
+    with pytest.raises(RuntimeError, match=r"json\.NoSuchClass\.build not found"):
+        sdm.apply_fault("gdn-offset-zero")
+
+
+def _cam(qlens, num_reqs=None):
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return SimpleNamespace(
+        query_start_loc_cpu=qsl,
+        num_reqs=num_reqs or len(qlens),
+        max_query_len=max(qlens),
+    )
+
+
+@pytest.mark.parametrize(
+    "qlens, plan",
+    [
+        ([4, 4, 4], ("uniform", 4)),
+        ([1, 1], None),
+        ([4, 1, 30], ("rows", [(0, 4)])),
+        ([2, 4, 9], ("rows", [(0, 2), (2, 6)])),
+    ],
+)
+def test_plan_verify_rows(monkeypatch, qlens, plan):
+    monkeypatch.setenv("HYBRIDKV_MATRIX_NUM_SPEC", "3")
+    build = sdm._plan_verify_rows(lambda self, cpl, cam: SimpleNamespace())
+    md = build(None, 0, _cam(qlens))
+    assert getattr(md, "_matrix_fault", None) == plan
+
+
+def _reference_new_only(q, k, v, scale):
+    # float64 reference: causal attention over the row's own tokens, GQA.
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, 1)
+    v = v.repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    t = q.shape[0]
+    s = s.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("plan_kind", ["uniform", "rows"])
+def test_verify_new_tokens_only_fault(plan_kind):
+    torch.manual_seed(0)
+    hq, hk, d, t, b = 4, 2, 8, 4, 3
+    n = b * t + 5  # 5 prefill tokens after the verify rows in the "rows" case
+    impl = SimpleNamespace(num_heads=hq, num_kv_heads=hk, head_size=d, scale=0.3)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
+    marker = 7.0
+
+    def orig(self, layer, query, key, value, kv_cache, md, output=None):
+        return output.fill_(marker)
+
+    fwd = sdm._verify_new_tokens_only(orig)
+    if plan_kind == "uniform":
+        plan, rows = ("uniform", t), [(i * t, (i + 1) * t) for i in range(b)]
+        n_used = b * t
+    else:
+        rows = [(0, t), (t, 2 * t)]
+        plan, n_used = ("rows", rows), 2 * t
+    md = SimpleNamespace(_matrix_fault=plan)
+    qq, kk, vv = q[:n_used], k[:n_used], v[:n_used]
+    out = fwd(
+        impl,
+        None,
+        qq.reshape(n_used, -1),
+        kk,
+        vv,
+        None,
+        md,
+        torch.empty(n_used, hq * d),
+    )
+    out = out.view(n_used, hq, d)
+    for s, e in rows:
+        ref = _reference_new_only(qq[s:e], kk[s:e], vv[s:e], impl.scale)
+        torch.testing.assert_close(out[s:e].double(), ref, atol=1e-5, rtol=1e-5)
+    # Without a plan the real forward's output is untouched.
+    md = SimpleNamespace()
+    out = fwd(
+        impl,
+        None,
+        qq.reshape(n_used, -1),
+        kk,
+        vv,
+        None,
+        md,
+        torch.empty(n_used, hq * d),
+    )
+    assert bool((out == marker).all())
+
+
+def test_gdn_offset_zero_fault():
+    acc = torch.tensor([4, 1, 3], dtype=torch.int32)
+    build = sdm._gdn_offset_zero(
+        lambda self, *a, **k: SimpleNamespace(num_accepted_tokens=acc)
+    )
+    build(None, 0, None)
+    assert acc.tolist() == [1, 1, 1]
+    # Non-speculative metadata has no counts; nothing to do.
+    build = sdm._gdn_offset_zero(
+        lambda self, *a: SimpleNamespace(num_accepted_tokens=None)
+    )
+    assert build(None).num_accepted_tokens is None
