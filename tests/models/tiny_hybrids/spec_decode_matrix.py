@@ -450,6 +450,26 @@ def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def kv_sensitivity(records: dict[str, dict[str, Any]]) -> list[str]:
+    """How far each TurboQuant reference departs from ``auto`` on the same
+    model and cudagraph mode: evidence that outputs depend on attention."""
+    lines = []
+    for name, rec in sorted(records.items()):
+        model, kv, spec, cg = (name.split(".") + [""] * 4)[:4]
+        if spec != "none" or kv == "auto" or "outputs" not in rec:
+            continue
+        auto = records.get(f"{model}.auto.none.{cg}", {})
+        if "outputs" not in auto:
+            continue
+        row = compare(auto, rec)
+        firsts = [t for _, t in row["first_diffs"]]
+        lines.append(
+            f"{kv} vs auto ({model}, {cg}): {row['prompts_exact']} prompts equal"
+            + (f", first differences at tokens {sorted(firsts)}" if firsts else "")
+        )
+    return lines
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     cols = (
         "model",
@@ -499,12 +519,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------
 
 
-def child_env(outdir: Path, cache: Path | None, num_spec: int) -> dict[str, str]:
+def child_env(
+    outdir: Path, cache: Path | None, num_spec: int, in_process: bool = True
+) -> dict[str, str]:
     env = dict(os.environ)
     cache = cache or outdir / "cache"
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     env.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # In-process engine core: a monkeypatched fault reaches the model runner.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     env["HYBRIDKV_MATRIX_NUM_SPEC"] = str(num_spec)
     env["HF_HUB_OFFLINE"] = "1"
     repo = str(Path(__file__).resolve().parents[3])
@@ -569,8 +592,10 @@ def run_matrix(args: argparse.Namespace) -> int:
         run = records[cell.key + (f".{args.inject}" if args.inject else "")]
         row = {**dataclasses.asdict(cell), "fault": args.inject, **compare(ref, run)}
         rows.append(row)
+    sensitivity = kv_sensitivity(records)
     result = {
         "rows": rows,
+        "kv_sensitivity": sensitivity,
         "records": records,
         "inject": args.inject,
         "prompts": prompts,
@@ -633,7 +658,8 @@ def run_speed(args: argparse.Namespace) -> int:
     rows = []
     t0 = time.time()
     for cg in SPEED_MODES:
-        env = child_env(outdir, args.cache, 3)
+        # Engine core in its own process, as users run it (no faults here).
+        env = child_env(outdir, args.cache, 3, in_process=False)
         child_args = {
             "engine": speed_engine_kwargs(model, cg),
             "prompts": prompts,

@@ -326,3 +326,48 @@ def test_gdn_offset_zero_fault():
         lambda self, *a: SimpleNamespace(num_accepted_tokens=None)
     )
     assert build(None).num_accepted_tokens is None
+
+
+def test_kv_sensitivity():
+    records = {
+        "qwen3_next.auto.none.NONE": {"outputs": [[1, 2, 3], [4, 5, 6]]},
+        "qwen3_next.turboquant_4bit_nc.none.NONE": {"outputs": [[1, 9, 3], [4, 5, 6]]},
+        "qwen3_next.turboquant_3bit_nc.none.NONE": {"crash": "x"},
+        "qwen3_next.turboquant_4bit_nc.mtp3.NONE": {"outputs": [[0]]},
+    }
+    expected = (
+        "turboquant_4bit_nc vs auto (qwen3_next, NONE): 1/2 prompts equal, "
+        "first differences at tokens [1]"
+    )
+    assert sdm.kv_sensitivity(records) == [expected]
+
+
+_FAKE_CHILD = """
+import json, sys, time
+args = json.load(open(sys.argv[2]))
+if args["mode"] == "crash":
+    raise ValueError("no engine for you\\nsecond line")
+if args["mode"] == "hang":
+    time.sleep(60)
+json.dump({"outputs": [[1]], "seconds": 0.1, "metrics": {}}, open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, expect",
+    [
+        ("ok", {"rc": 0, "outputs": [[1]]}),
+        ("crash", {"rc": 1, "crash": "ValueError: no engine for you"}),
+        ("hang", {"rc": "timeout", "crash": "TIMEOUT after 3s"}),
+    ],
+)
+def test_spawn_records_results_crashes_and_timeouts(
+    tmp_path, monkeypatch, mode, expect
+):
+    (tmp_path / "fake_child.py").write_text(_FAKE_CHILD)
+    monkeypatch.setattr(sdm, "MODULE", "fake_child")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    rec = sdm.spawn(mode, {"mode": mode}, tmp_path / "out", 3, env)
+    for k, v in expect.items():
+        assert rec[k] == v
+    assert (tmp_path / "out" / "logs" / f"{mode}.log").exists()
