@@ -200,6 +200,29 @@ def _mtp_tensors(
     return out
 
 
+def _unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors, as vLLM 0.20.2's Qwen3-Next loader reads them.
+
+    transformers 5.14 saves MoE experts per expert; should a later version
+    save its fused ``experts.gate_up_proj`` ([E, 2I, H], gate first) and
+    ``experts.down_proj`` ([E, H, I]) instead, split them here."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def _layers_prefix(state: dict[str, torch.Tensor]) -> str:
     for p in ("model.language_model.layers.", "model.layers."):
         if any(k.startswith(p) for k in state):
@@ -243,7 +266,7 @@ def build_checkpoint(
             f"expected one safetensors shard in {path}, found {len(files)}; "
             "raise max_shard_size or merge them"
         )
-    state = load_file(files[0])
+    state = _unfuse_experts(load_file(files[0]))
     embed = next(k for k in state if k.endswith("embed_tokens.weight"))
     if spec.shares_head_with is not None:
         if share_from is None:

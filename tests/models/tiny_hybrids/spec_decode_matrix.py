@@ -528,6 +528,9 @@ def child_env(
     env.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
     # In-process engine core: a monkeypatched fault reaches the model runner.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if in_process:
+        # Many engines compile at once on 16 cores: keep Inductor's pools small.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
     env["HYBRIDKV_MATRIX_NUM_SPEC"] = str(num_spec)
     env["HF_HUB_OFFLINE"] = "1"
     repo = str(Path(__file__).resolve().parents[3])
@@ -573,13 +576,18 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"{len(cells)} cells, {len(engines)} engines, {args.jobs} at a time", flush=True
     )
 
+    done = [0]
+
     def one(item):
         name, (c, child_args) = item
         num_spec = (SPECS[c.spec] or {}).get("num_speculative_tokens", 0)
         env = child_env(outdir, args.cache, num_spec)
         rec = spawn(name, child_args, outdir, args.timeout, env)
-        status = rec["crash"][:80] if "crash" in rec else "ok"
-        print(f"  {name}: {status} ({rec['wall']}s)", flush=True)
+        done[0] += 1
+        if "crash" in rec:
+            print(f"  {name}: {rec['crash'][:100]} ({rec['wall']}s)", flush=True)
+        elif done[0] % 10 == 0:
+            print(f"  [{done[0]}/{len(engines)}] {time.time() - t0:.0f}s", flush=True)
         return name, rec
 
     # Longest-first would need timings; run references and spec engines of
@@ -657,7 +665,7 @@ def run_speed(args: argparse.Namespace) -> int:
     prompts = [[rng.randrange(1000, 200000) for _ in range(128)] for _ in range(64)]
     rows = []
     t0 = time.time()
-    for cg in SPEED_MODES:
+    for cg in args.modes:
         # Engine core in its own process, as users run it (no faults here).
         env = child_env(outdir, args.cache, 3, in_process=False)
         child_args = {
@@ -719,12 +727,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inject", choices=sorted(FAULTS), help="fault in the speculative engine"
     )
     p.add_argument("--only", help="filters, e.g. model=qwen3_next,cg=NONE|PIECEWISE")
-    p.add_argument("--jobs", type=int, default=8, help="engines at a time")
-    p.add_argument("--timeout", type=float, default=420, help="seconds per engine")
+    p.add_argument("--jobs", type=int, default=12, help="engines at a time")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per engine (default: 240 --quick, 300 --speed, else 420)",
+    )
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
     p.add_argument("--speed", action="store_true", help="full-size speed run instead")
+    p.add_argument(
+        "--modes",
+        default=",".join(SPEED_MODES),
+        help="--speed: cudagraph modes to run, comma-separated",
+    )
     p.add_argument(
         "--table", nargs="+", metavar="JSON", help="print tables of earlier runs"
     )
@@ -734,6 +752,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.outdir or args.table or args.child):
         p.error("OUTDIR is required")
+    if args.timeout is None:
+        args.timeout = 240 if args.quick else 300 if args.speed else 420
+    modes = args.modes.split(",")
+    if not set(modes) <= set(CG_MODES):
+        p.error(f"--modes: expected some of {CG_MODES}, got {modes}")
+    args.modes = modes
     return args
 
 

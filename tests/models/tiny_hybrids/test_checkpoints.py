@@ -53,6 +53,23 @@ def test_successor_map_is_one_cycle():
     assert len(seen) == len(succ) == ck.TINY_VOCAB_SIZE
 
 
+def test_unfuse_experts():
+    gate_up = torch.arange(2 * 6 * 3.0).reshape(2, 6, 3)  # E=2, I=3, H=3
+    down = torch.arange(2 * 3 * 3.0).reshape(2, 3, 3)
+    out = ck._unfuse_experts(
+        {
+            "model.layers.0.mlp.experts.gate_up_proj": gate_up,
+            "model.layers.0.mlp.experts.down_proj": down,
+            "model.norm.weight": torch.ones(3),
+        }
+    )
+    p = "model.layers.0.mlp.experts."
+    assert torch.equal(out[p + "1.gate_proj.weight"], gate_up[1, :3])
+    assert torch.equal(out[p + "1.up_proj.weight"], gate_up[1, 3:])
+    assert torch.equal(out[p + "0.down_proj.weight"], down[0])
+    assert len(out) == 2 * 3 + 1
+
+
 def test_prompts():
     prompts = ck.bigram_prompts(12)
     assert len(prompts) == 12

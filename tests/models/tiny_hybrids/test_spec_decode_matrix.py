@@ -62,9 +62,11 @@ def test_select_filters_and_rejects_bad_filters():
 @pytest.mark.parametrize(
     "argv, expect",
     [
-        (["out", "--quick"], {"quick": True, "inject": None, "jobs": 8}),
+        (["out", "--quick"], {"quick": True, "inject": None, "timeout": 240}),
         (["out", "--inject", "gdn-offset-zero"], {"inject": "gdn-offset-zero"}),
-        (["out", "--speed", "--timeout", "300"], {"speed": True, "timeout": 300}),
+        (["out", "--speed"], {"speed": True, "timeout": 300}),
+        (["out", "--speed", "--modes", "NONE"], {"modes": ["NONE"]}),
+        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 12}),
         (["--table", "a.json", "b.json"], {"table": ["a.json", "b.json"]}),
     ],
 )
@@ -79,6 +81,8 @@ def test_parse_args_rejects_unknown_fault_and_missing_outdir():
         sdm.parse_args(["out", "--inject", "nope"])
     with pytest.raises(SystemExit):
         sdm.parse_args(["--quick"])
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["out", "--speed", "--modes", "FULL"])
 
 
 def test_engine_kwargs():
@@ -371,3 +375,49 @@ def test_spawn_records_results_crashes_and_timeouts(
     for k, v in expect.items():
         assert rec[k] == v
     assert (tmp_path / "out" / "logs" / f"{mode}.log").exists()
+
+
+_FAKE_ENGINE = """
+import json, sys
+args = json.load(open(sys.argv[2]))
+eng = args["engine"]
+outs = [[(t * 7 + i) % 2048 for i in range(8)] for t in range(len(args["prompts"]))]
+if eng.get("speculative_config") and args["fault"] and eng["kv_cache_dtype"] != "auto":
+    outs[3][5] += 1
+metrics = {}
+if eng.get("speculative_config"):
+    metrics = {"histogram": [1, 0, 0, 9], "mean_accept_len": 3.7}
+res = {"outputs": outs, "seconds": 0.1, "metrics": metrics}
+if args["logprobs"]:
+    res["gaps"] = [[1.0] * 8 for _ in outs]
+json.dump(res, open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.parametrize("inject", [None, "verify-new-tokens-only"])
+def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "out"
+    argv = [str(out), "--quick", "--jobs", "4"] + (
+        ["--inject", inject] if inject else []
+    )
+    rc = sdm.main(argv)
+    data = json.loads((out / "matrix.json").read_text())
+    statuses = {
+        f"{r['model']}.{r['kv']}.{r['spec']}.{r['cg']}": r["status"]
+        for r in data["rows"]
+    }
+    assert len(statuses) == len(sdm.QUICK_CELLS)
+    assert (out / "logs.tar.gz").stat().st_size > 0
+    # References are shared: 6 reference engines + 8 speculative ones.
+    assert len(data["records"]) == 14
+    if inject is None:
+        assert rc == 0 and set(statuses.values()) == {"exact"}
+    else:
+        assert rc == 1
+        for key, status in statuses.items():
+            expect = "exact" if ".auto." in key else "DIFF 3@5"
+            assert status == expect, key
