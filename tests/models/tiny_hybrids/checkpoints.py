@@ -310,8 +310,19 @@ def build_checkpoint(
     return path
 
 
-def build_all(root: str | Path, names: list[str] | None = None) -> dict[str, Path]:
-    """Build ``names`` (default all) under ``root``; sharing order respected."""
+def build_all(
+    root: str | Path,
+    names: list[str] | None = None,
+    gains: dict[str, float] | None = None,
+) -> dict[str, Path]:
+    """Build ``names`` (default all) under ``root``; sharing order respected.
+    ``gains`` overrides ``bigram_gain`` per name."""
+    gains = gains or {}
+    unknown = set(gains) - set(MODELS)
+    if unknown:
+        raise ValueError(
+            f"unknown checkpoints {sorted(unknown)}; known: {list(MODELS)}"
+        )
     root = Path(root)
     names = list(names or MODELS)
     for n in list(names):
@@ -323,7 +334,10 @@ def build_all(root: str | Path, names: list[str] | None = None) -> dict[str, Pat
     for n in names:
         other = MODELS[n].shares_head_with
         out[n] = build_checkpoint(
-            n, root / n, share_from=out.get(other) if other else None
+            n,
+            root / n,
+            bigram_gain=gains.get(n),
+            share_from=out.get(other) if other else None,
         )
     return out
 

@@ -414,7 +414,23 @@ def spawn(
 TIE_FRACTION = 0.01
 
 
-def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+def context_positions(prompts: list[list[int]], outputs: list[list[int]]) -> int:
+    """Generated tokens that are not the bigram successor of the token before:
+    where context (attention, GDN) decided. A fault can only show in cells
+    where this is well above zero."""
+    from .checkpoints import successor_map
+
+    succ = successor_map()
+    n = 0
+    for p, out in zip(prompts, outputs):
+        seq = p[-1:] + out
+        n += sum(succ[a] != b for a, b in zip(seq, seq[1:]))
+    return n
+
+
+def compare(
+    ref: dict[str, Any], run: dict[str, Any], prompts: list[list[int]] | None = None
+) -> dict[str, Any]:
     """Row fields for one cell from the reference and speculative records."""
     row: dict[str, Any] = {}
     for which, rec in (("ref", ref), ("spec", run)):
@@ -431,6 +447,8 @@ def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
         if pos is not None:
             first.append((i, pos))
     row["prompts_exact"] = f"{len(a) - len(first)}/{len(a)}"
+    if prompts is not None:
+        row["ctx_positions"] = context_positions(prompts, a)
     row["distinct_min"] = min((len(set(o)) for o in b), default=0)
     row["first_diffs"] = first
     if not first:
@@ -479,6 +497,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "status",
         "exact",
         "dist",
+        "ctx",
         "accept hist",
         "len",
     )
@@ -498,6 +517,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 r.get("status", "?"),
                 r.get("prompts_exact", "-"),
                 str(r.get("distinct_min", "-")),
+                str(r.get("ctx_positions", "-")),
                 ",".join(map(str, r["histogram"])) if r.get("histogram") else "-",
                 f"{acc:.2f}" if acc else "-",
             )
@@ -538,10 +558,12 @@ def child_env(
     return env
 
 
-def build_checkpoints(root: Path) -> dict[str, str]:
+def build_checkpoints(
+    root: Path, gains: dict[str, float] | None = None
+) -> dict[str, str]:
     from .checkpoints import build_all, copy_checkpoint
 
-    paths = {k: str(v) for k, v in build_all(root).items()}
+    paths = {k: str(v) for k, v in build_all(root, gains=gains).items()}
     paths["self_draft"] = str(
         copy_checkpoint(paths["qwen3_dense"], root / "qwen3_dense_copy")
     )
@@ -557,7 +579,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     if not cells:
         raise SystemExit("no cells selected")
     t0 = time.time()
-    ckpts = build_checkpoints(outdir / "ckpt")
+    ckpts = build_checkpoints(outdir / "ckpt", args.gain)
     prompts = bigram_prompts(args.prompts)
     engines: dict[str, tuple[Cell, dict[str, Any]]] = {}
     for cell in cells:
@@ -598,7 +620,11 @@ def run_matrix(args: argparse.Namespace) -> int:
     for cell in cells:
         ref = records[cell.reference().key]
         run = records[cell.key + (f".{args.inject}" if args.inject else "")]
-        row = {**dataclasses.asdict(cell), "fault": args.inject, **compare(ref, run)}
+        row = {
+            **dataclasses.asdict(cell),
+            "fault": args.inject,
+            **compare(ref, run, prompts),
+        }
         rows.append(row)
     sensitivity = kv_sensitivity(records)
     result = {
@@ -737,6 +763,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
+    p.add_argument(
+        "--gain",
+        action="append",
+        default=[],
+        metavar="CKPT=G",
+        help="override a checkpoint's bigram_gain (checkpoints.MODELS), e.g. "
+        "qwen3_next=0.05: lower lets context decide more tokens",
+    )
     p.add_argument("--speed", action="store_true", help="full-size speed run instead")
     p.add_argument(
         "--modes",
@@ -752,6 +786,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.outdir or args.table or args.child):
         p.error("OUTDIR is required")
+    gains = {}
+    for item in args.gain:
+        name, _, value = item.partition("=")
+        try:
+            gains[name] = float(value)
+        except ValueError:
+            p.error(f"--gain: expected CKPT=FLOAT, got {item!r}")
+    args.gain = gains
     if args.timeout is None:
         args.timeout = 240 if args.quick else 300 if args.speed else 420
     modes = args.modes.split(",")

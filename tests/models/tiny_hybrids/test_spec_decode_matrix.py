@@ -66,7 +66,8 @@ def test_select_filters_and_rejects_bad_filters():
         (["out", "--inject", "gdn-offset-zero"], {"inject": "gdn-offset-zero"}),
         (["out", "--speed"], {"speed": True, "timeout": 300}),
         (["out", "--speed", "--modes", "NONE"], {"modes": ["NONE"]}),
-        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 12}),
+        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 12, "gain": {}}),
+        (["out", "--gain", "qwen3_next=0.05"], {"gain": {"qwen3_next": 0.05}}),
         (["--table", "a.json", "b.json"], {"table": ["a.json", "b.json"]}),
     ],
 )
@@ -152,6 +153,17 @@ def test_compare():
     assert row["status"] == "CRASH(spec)" and row["crash"] == "RuntimeError: boom"
 
 
+def test_context_positions():
+    from .checkpoints import successor_map
+
+    succ = successor_map()
+    follow = [succ[5], succ[succ[5]]]
+    assert sdm.context_positions([[1, 5]], [follow]) == 0
+    assert sdm.context_positions([[1, 5]], [[follow[0], follow[0]]]) == 1
+    ref = _rec([[succ[5], succ[succ[5]]]])
+    assert sdm.compare(ref, ref, [[5]])["ctx_positions"] == 0
+
+
 def test_crash_text():
     log = "INFO x\nTraceback (most recent call last):\n  File ...\n"
     log += "RuntimeError: Cannot copy between CPU and CUDA tensors during capture\n"
@@ -202,7 +214,8 @@ def test_table_from_result_json(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == [
-        "model", "kv", "spec", "cg", "status", "exact", "dist", "accept", "hist", "len"
+        "model", "kv", "spec", "cg", "status", "exact", "dist", "ctx", "accept",
+        "hist", "len",
     ]  # fmt: skip
     assert "4bit_nc" in lines[1] and "full+pw" in lines[1] and "3,1,2,90" in lines[1]
     assert "3.86" in lines[1]
@@ -398,7 +411,7 @@ json.dump(res, open(sys.argv[3], "w"))
 def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject):
     (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
     monkeypatch.setattr(sdm, "MODULE", "fake_engine")
-    monkeypatch.setattr(sdm, "build_checkpoints", lambda root: dict(CKPTS))
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     out = tmp_path / "out"
     argv = [str(out), "--quick", "--jobs", "4"] + (
