@@ -6,12 +6,12 @@ Each checkpoint of checkpoints.py is built, run greedily in transformers
 (fp32 compute on the saved bf16 weights), and must
 
 * vary: >= 16 distinct tokens in 64 for every prompt;
-* follow its bigram chain at most, not all, positions where drafts are
-  judged (context must decide some tokens, or a wrong attention/GDN result
-  could never show);
+* follow its bigram chain at most positions (drafts get accepted), while
+  the history moves the logits (attention/GDN matter; they decide ~0.1-3 %
+  of tokens over the matrix prompts, the GPU table's ``ctx`` column);
 * keep a top-1/top-2 logit gap of at least MIN_REL_MARGIN logit standard
-  deviations at every position (kernel-order rounding in bf16 moves logits by
-  ~1e-3 of that scale);
+  deviations, and flip no token between bf16 incremental decode and a bf16
+  full-sequence forward (kernel order alone);
 * load completely into vLLM's own model classes (and the MTP drafter's):
   every parameter is initialised from the checkpoint, so vLLM runs the same
   weights transformers does. The classes are built on the meta device.
@@ -26,9 +26,12 @@ from . import checkpoints as ck
 
 pytestmark = pytest.mark.cpu_test
 
-# Smallest gap over the 12 matrix prompts x 64 tokens is 0.029 logit std
-# (qwen3_5; see checkpoints.MODELS); one prompt is checked here for time.
-MIN_REL_MARGIN = 0.02
+# On this prompt every model keeps a top-1/top-2 gap >= 0.58 logit std
+# (median 3.5-11). Over all 12 matrix prompts x 64 tokens the smallest gaps
+# are 0.0036 (qwen3_dense), 0.019 (qwen3_next), 0.055 (qwen3_5) std, at the
+# few context-decided tokens; `python -m tests.models.tiny_hybrids.checkpoints
+# OUT` prints those statistics.
+MIN_REL_MARGIN = 0.1
 MIN_DISTINCT = 16
 PROMPTS = ck.bigram_prompts(12)[1:2]  # a chain prompt: drafts get accepted
 
@@ -82,10 +85,29 @@ def test_prompts():
 @pytest.mark.parametrize("name", list(ck.MODELS))
 def test_greedy_output_depends_on_context_with_margins(built, name):
     torch.set_num_threads(1)
-    stats = ck.greedy_stats(built[name], PROMPTS, kernel_order_check=False)
+    stats = ck.greedy_stats(built[name], PROMPTS)
+    print(name, {k: v for k, v in stats.items() if k != "outputs"})
     assert min(stats["distinct"]) >= MIN_DISTINCT, stats["distinct"]
     assert stats["rel_margin_min"] >= MIN_REL_MARGIN, stats
-    assert 0.9 <= stats["bigram_follow"] <= 1.0, stats
+    assert stats["bigram_follow"] >= 0.9, stats
+    # Kernel order alone (bf16 decode vs full-sequence forward) flips nothing.
+    assert stats["bf16_flips"] == 0, stats
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_dense"])
+def test_context_moves_the_logits(built, name):
+    """Same last token, different history: attention/GDN move the logits as
+    a whole (relative L2 ~1); the bigram lead is one spike on top, so they
+    decide only some argmaxes."""
+    torch.set_num_threads(1)
+    model = ck.load_for_cpu(built[name])
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 256, (1, 24), generator=g) for _ in range(2))
+    b[0, -1] = a[0, -1]
+    with torch.no_grad():
+        la, lb = (model(x).logits[0, -1] for x in (a, b))
+    rel = float((la - lb).norm() / la.norm())
+    assert rel > 0.3, rel
 
 
 def test_shared_head_draft(built):
