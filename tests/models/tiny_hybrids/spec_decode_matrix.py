@@ -6,10 +6,12 @@ For every cell (model, KV-cache dtype, speculation, cudagraph mode) one engine
 runs WITHOUT speculation and one WITH it, same model, KV dtype and cudagraph
 mode; greedy outputs are compared token for token over 64 tokens of each of a
 dozen prompts. The models are saved tiny random checkpoints (checkpoints.py)
-whose greedy output follows a bigram chain with context deciding a few per
-cent of positions, so a wrong attention/GDN result changes tokens while
-kernel-order rounding does not, and drafts (MTP, ngram, draft model) are
-mostly accepted.
+whose greedy output follows a bigram chain except where context decides
+(0.4-2.6 % of tokens on CPU; the ``ctx`` column counts them per cell), so a
+wrong attention/GDN result changes tokens while kernel-order rounding does
+not, and drafts (MTP, ngram, draft model) are mostly accepted. ``--gain
+CKPT=G`` lowers a checkpoint's chain weight if ``ctx`` is too small for a
+fault to show (more context-decided tokens, smaller margins).
 
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR [--quick]
         [--inject FAULT] [--jobs N] [--only model=...,kv=...,spec=...,cg=...]
@@ -24,7 +26,8 @@ OUTDIR/matrix.json (or speed.json), OUTDIR/logs.tar.gz, prints one table.
 Per row: ``exact`` (12/12 prompts equal), else ``DIFF p@t`` (prompt p first
 differs at token t), with ``tie`` when the reference's top-1/top-2 logprob
 gap at that token is below 1 % of its median gap (rounding, not a wrong
-kernel); distinct tokens per prompt (min); accepted-token histogram
+kernel); distinct tokens per prompt (min); context-decided tokens in the
+reference (``ctx``); accepted-token histogram
 (drafts with 0..k tokens accepted) and mean acceptance length; crash text.
 """
 
