@@ -73,7 +73,9 @@ class MatrixModel:
 
 
 MODELS: dict[str, MatrixModel] = {
-    "qwen3_next": MatrixModel("qwen3_next", ("mtp1", "mtp3")),
+    # ngram on the hybrid: chain prompts draft, random ones often do not, so
+    # GDN rows without drafts follow rows with accepted drafts.
+    "qwen3_next": MatrixModel("qwen3_next", ("mtp1", "mtp3", "ngram3")),
     "qwen3_5": MatrixModel("qwen3_5", ("mtp1", "mtp3")),
     "qwen3_dense": MatrixModel("qwen3_dense", ("ngram3", "draft3"), draft="self"),
     "hybrid_draft": MatrixModel("qwen3_next", ("draft3",), draft="qwen3_dense_draft"),
@@ -112,6 +114,7 @@ QUICK_CELLS: tuple[Cell, ...] = (
         for kv in ("auto", "turboquant_4bit_nc")
         for cg in ("NONE", "FULL_AND_PIECEWISE")
     ),
+    Cell("qwen3_next", "turboquant_4bit_nc", "ngram3", "FULL_AND_PIECEWISE"),
     Cell("qwen3_5", "turboquant_4bit_nc", "mtp1", "FULL_AND_PIECEWISE"),
     Cell("qwen3_dense", "turboquant_4bit_nc", "ngram3", "FULL_AND_PIECEWISE"),
     Cell("qwen3_dense", "turboquant_4bit_nc", "draft3", "FULL_AND_PIECEWISE"),
@@ -170,6 +173,22 @@ def _plan_verify_rows(orig: Callable) -> Callable:
     return build
 
 
+def _plan_from(md: Any) -> tuple | None:
+    """Verify rows read off the metadata itself, for builds that bypass the
+    wrapped ``build`` (e.g. a capture-time builder): the leading
+    ``num_decodes`` rows when they are uniform verify rows (verify rows
+    batched as decodes)."""
+    t = getattr(md, "max_query_len", 0)
+    nd = getattr(md, "num_decodes", 0)
+    if (
+        1 < t <= _max_verify_len()
+        and nd
+        and getattr(md, "num_decode_tokens", 0) == nd * t
+    ):
+        return ("prefix", t, nd)
+    return None
+
+
 def _verify_new_tokens_only(orig: Callable) -> Callable:
     """After the real forward, overwrite verify rows with causal attention
     over their own new K/V only (no cache read): the upstream defect."""
@@ -190,14 +209,16 @@ def _verify_new_tokens_only(orig: Callable) -> Callable:
         output = orig(
             self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw
         )
-        plan = getattr(attn_metadata, "_matrix_fault", None)
+        plan = getattr(attn_metadata, "_matrix_fault", None) or _plan_from(
+            attn_metadata
+        )
         if plan is None or key is None:
             return output
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_size
         flat = output.view(output.shape[0], hq * d)
-        if plan[0] == "uniform" and query.shape[0] % plan[1] == 0:
+        if plan[0] in ("uniform", "prefix") and query.shape[0] % plan[1] == 0:
             t = plan[1]
-            b = query.shape[0] // t
+            b = query.shape[0] // t if plan[0] == "uniform" else plan[2]
             out = attend(
                 self,
                 query[: b * t].reshape(b, t, hq, d),
@@ -220,15 +241,24 @@ def _verify_new_tokens_only(orig: Callable) -> Callable:
 
 
 def _gdn_offset_zero(orig: Callable) -> Callable:
-    """GDN state read from slot 0 after accepted drafts: every request's
-    accepted-token count set to 1."""
+    """GDN state read from slot 0 after accepted drafts: the builder is told
+    every request accepted 1 token (as in /work/notes/gdn.md; it copies the
+    ones into its persistent buffer, so FULL graphs replay the fault)."""
+    import torch
 
-    def build(self, *args, **kwargs):
-        md = orig(self, *args, **kwargs)
-        acc = getattr(md, "num_accepted_tokens", None)
-        if acc is not None:
-            acc.fill_(1)
-        return md
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        *a,
+        **kw,
+    ):
+        if num_accepted_tokens is not None:
+            num_accepted_tokens = torch.ones_like(num_accepted_tokens)
+        return orig(
+            self, common_prefix_len, common_attn_metadata, num_accepted_tokens, *a, **kw
+        )
 
     return build
 

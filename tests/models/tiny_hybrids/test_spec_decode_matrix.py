@@ -43,8 +43,8 @@ def test_full_matrix_axes():
     assert {c.kv for c in cells} == set(sdm.KV_DTYPES)
     assert {c.cg for c in cells} == set(sdm.CG_MODES)
     assert {c.spec for c in cells} == {"mtp1", "mtp3", "ngram3", "draft3"}
-    # 2 specs x 3 models + 1 (hybrid + draft), each over 4 kv x 3 modes.
-    assert len(cells) == 7 * 12
+    # 3 + 2 + 2 specs on three models + 1 (hybrid + draft), 4 kv x 3 modes.
+    assert len(cells) == 8 * 12
     # hybrid + draft compares against the hybrid main's own reference.
     c = sdm.Cell("hybrid_draft", "auto", "draft3", "NONE")
     assert c.reference() == sdm.Cell("qwen3_next", "auto", "none", "NONE")
@@ -281,8 +281,9 @@ def _reference_new_only(q, k, v, scale):
     return torch.einsum("hts,shd->thd", s.softmax(-1), v.double())
 
 
-@pytest.mark.parametrize("plan_kind", ["uniform", "rows"])
-def test_verify_new_tokens_only_fault(plan_kind):
+@pytest.mark.parametrize("plan_kind", ["uniform", "rows", "metadata"])
+def test_verify_new_tokens_only_fault(plan_kind, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_MATRIX_NUM_SPEC", "3")
     torch.manual_seed(0)
     hq, hk, d, t, b = 4, 2, 8, 4, 3
     n = b * t + 5  # 5 prefill tokens after the verify rows in the "rows" case
@@ -297,10 +298,15 @@ def test_verify_new_tokens_only_fault(plan_kind):
     if plan_kind == "uniform":
         plan, rows = ("uniform", t), [(i * t, (i + 1) * t) for i in range(b)]
         n_used = b * t
-    else:
+        md = SimpleNamespace(_matrix_fault=plan)
+    elif plan_kind == "rows":
         rows = [(0, t), (t, 2 * t)]
         plan, n_used = ("rows", rows), 2 * t
-    md = SimpleNamespace(_matrix_fault=plan)
+        md = SimpleNamespace(_matrix_fault=plan)
+    else:
+        # No plan from build: verify rows batched as decodes, read off md.
+        rows, n_used = [(i * t, (i + 1) * t) for i in range(b)], b * t
+        md = SimpleNamespace(max_query_len=t, num_decodes=b, num_decode_tokens=b * t)
     qq, kk, vv = q[:n_used], k[:n_used], v[:n_used]
     out = fwd(
         impl,
@@ -332,17 +338,22 @@ def test_verify_new_tokens_only_fault(plan_kind):
 
 
 def test_gdn_offset_zero_fault():
+    seen = []
+
+    def orig(self, cpl, cam, num_accepted_tokens=None, num_draft_cpu=None, fast=False):
+        seen.append((num_accepted_tokens, num_draft_cpu, fast))
+        return "md"
+
+    build = sdm._gdn_offset_zero(orig)
     acc = torch.tensor([4, 1, 3], dtype=torch.int32)
-    build = sdm._gdn_offset_zero(
-        lambda self, *a, **k: SimpleNamespace(num_accepted_tokens=acc)
-    )
+    assert build(None, 0, None, acc, "drafts", fast=True) == "md"
+    assert seen[-1][0].tolist() == [1, 1, 1] and seen[-1][1:] == ("drafts", True)
+    assert acc.tolist() == [4, 1, 3]  # the runner's tensor is left alone
+    build(None, 0, None, num_accepted_tokens=acc)
+    assert seen[-1][0].tolist() == [1, 1, 1]
+    # Non-speculative steps pass no counts; nothing to do.
     build(None, 0, None)
-    assert acc.tolist() == [1, 1, 1]
-    # Non-speculative metadata has no counts; nothing to do.
-    build = sdm._gdn_offset_zero(
-        lambda self, *a: SimpleNamespace(num_accepted_tokens=None)
-    )
-    assert build(None).num_accepted_tokens is None
+    assert seen[-1][0] is None
 
 
 def test_kv_sensitivity():
@@ -425,8 +436,8 @@ def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject
     }
     assert len(statuses) == len(sdm.QUICK_CELLS)
     assert (out / "logs.tar.gz").stat().st_size > 0
-    # References are shared: 6 reference engines + 8 speculative ones.
-    assert len(data["records"]) == 14
+    # References are shared: 6 reference engines + 9 speculative ones.
+    assert len(data["records"]) == 15
     if inject is None:
         assert rc == 0 and set(statuses.values()) == {"exact"}
     else:
