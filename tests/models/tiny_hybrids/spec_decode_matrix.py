@@ -627,8 +627,13 @@ def run_matrix(args: argparse.Namespace) -> int:
                     "logprobs": c.spec == "none",
                 },
             )
+    reused = reuse_references(args.refs, engines, prompts, args.gain)
+    for name in reused:
+        engines.pop(name)
     print(
-        f"{len(cells)} cells, {len(engines)} engines, {args.jobs} at a time", flush=True
+        f"{len(cells)} cells, {len(engines)} engines ({len(reused)} references "
+        f"reused), {args.jobs} at a time",
+        flush=True,
     )
 
     done = [0]
@@ -648,7 +653,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     # Longest-first would need timings; run references and spec engines of
     # the same cell close together so a crash shows early.
     with ThreadPoolExecutor(args.jobs) as pool:
-        records = dict(pool.map(one, engines.items()))
+        records = {**reused, **dict(pool.map(one, engines.items()))}
     rows = []
     for cell in cells:
         ref = records[cell.reference().key]
@@ -665,6 +670,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "kv_sensitivity": sensitivity,
         "records": records,
         "inject": args.inject,
+        "gains": args.gain,
         "prompts": prompts,
         "seconds": round(time.time() - t0, 1),
     }
@@ -675,6 +681,27 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"{time.time() - t0:.0f}s; {outdir / 'matrix.json'}, {outdir / 'logs.tar.gz'}"
     )
     return 0 if all(r.get("status") == "exact" for r in rows) else 1
+
+
+def reuse_references(
+    refs: Path | None,
+    engines: dict[str, tuple[Cell, dict[str, Any]]],
+    prompts: list[list[int]],
+    gains: dict[str, float],
+) -> dict[str, dict[str, Any]]:
+    """Reference records (no speculation, no fault) from an earlier run's
+    matrix.json with the same prompts and gains, instead of new engines."""
+    if refs is None:
+        return {}
+    path = refs / "matrix.json" if refs.is_dir() else refs
+    prev = json.loads(path.read_text())
+    if prev.get("prompts") != prompts or prev.get("gains", {}) != gains:
+        raise SystemExit(f"--refs {path}: other prompts or --gain; run without --refs")
+    return {
+        name: prev["records"][name]
+        for name, (c, _) in engines.items()
+        if c.spec == "none" and "outputs" in prev["records"].get(name, {})
+    }
 
 
 def _tar_logs(outdir: Path) -> None:
@@ -796,6 +823,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
+    p.add_argument(
+        "--refs",
+        type=Path,
+        default=None,
+        help="reuse the no-speculation engines of an earlier run (its OUTDIR)",
+    )
     p.add_argument(
         "--gain",
         action="append",

@@ -445,3 +445,19 @@ def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject
         for key, status in statuses.items():
             expect = "exact" if ".auto." in key else "DIFF 3@5"
             assert status == expect, key
+
+
+def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    clean = tmp_path / "clean"
+    assert sdm.main([str(clean), "--quick", "--jobs", "4"]) == 0
+    out = tmp_path / "fault"
+    argv = [str(out), "--quick", "--inject", "gdn-offset-zero", "--refs", str(clean)]
+    assert sdm.main(argv) == 1
+    logs = {p.name for p in (out / "logs").glob("*.log")}
+    assert logs and all("gdn-offset-zero" in n for n in logs)
+    with pytest.raises(SystemExit, match="other prompts"):
+        sdm.main([str(out), "--quick", "--prompts", "6", "--refs", str(clean)])
