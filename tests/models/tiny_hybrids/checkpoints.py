@@ -231,6 +231,14 @@ def _layers_prefix(state: dict[str, torch.Tensor]) -> str:
     raise KeyError(f"no decoder layers in checkpoint; keys start {sorted(state)[:3]}")
 
 
+def write_config(name: str, path: str | Path) -> Path:
+    """config.json + tokenizer of checkpoint ``name``, no weights (for
+    config-level checks)."""
+    spec = MODELS[name]
+    builders.BUILDERS[spec.builder](path, with_tokenizer=True, **spec.builder_kwargs)
+    return Path(path)
+
+
 def build_checkpoint(
     name: str,
     path: str | Path,
@@ -251,9 +259,7 @@ def build_checkpoint(
     spec = MODELS[name]
     if bigram_gain is None:
         bigram_gain = spec.bigram_gain
-    path = Path(path)
-    builder = builders.BUILDERS[spec.builder]
-    builder(path, with_tokenizer=True, **spec.builder_kwargs)
+    path = write_config(name, path)
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config()
     torch.manual_seed(seed)
