@@ -394,14 +394,21 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
 
 
 _EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(.*))?$")
+_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s*|\(\w+ pid=\d+\)\s*)+")
+# Wrappers that re-raise a root cause printed above them.
+_GENERIC = ("Engine core initialization failed", "See root cause above")
 
 
 def crash_text(log: str) -> str:
-    """``Type: first line`` of the last exception in ``log``."""
-    for line in reversed(log.splitlines()):
-        m = _EXC.match(line.strip())
+    """``Type: first line`` of the last root-cause exception in ``log``."""
+    found = []
+    for line in log.splitlines():
+        m = _EXC.match(_PREFIX.sub("", line.strip()))
         if m:
-            return f"{m.group(1)}: {(m.group(2) or '').strip()}"[:200]
+            found.append(f"{m.group(1)}: {(m.group(2) or '').strip()}"[:200])
+    specific = [f for f in found if not any(g in f for g in _GENERIC)]
+    if specific or found:
+        return (specific or found)[-1]
     tail = [ln for ln in log.splitlines() if ln.strip()]
     return (tail[-1] if tail else "no output")[:200]
 
@@ -813,7 +820,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inject", choices=sorted(FAULTS), help="fault in the speculative engine"
     )
     p.add_argument("--only", help="filters, e.g. model=qwen3_next,cg=NONE|PIECEWISE")
-    p.add_argument("--jobs", type=int, default=12, help="engines at a time")
+    p.add_argument("--jobs", type=int, default=16, help="engines at a time")
     p.add_argument(
         "--timeout",
         type=float,

@@ -66,7 +66,7 @@ def test_select_filters_and_rejects_bad_filters():
         (["out", "--inject", "gdn-offset-zero"], {"inject": "gdn-offset-zero"}),
         (["out", "--speed"], {"speed": True, "timeout": 300}),
         (["out", "--speed", "--modes", "NONE"], {"modes": ["NONE"]}),
-        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 12, "gain": {}}),
+        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 16, "gain": {}}),
         (["out", "--gain", "qwen3_next=0.05"], {"gain": {"qwen3_next": 0.05}}),
         (["--table", "a.json", "b.json"], {"table": ["a.json", "b.json"]}),
     ],
@@ -203,6 +203,14 @@ def test_crash_text():
         "torch.OutOfMemoryError: CUDA out of memory. x"
     )
     assert sdm.crash_text("") == "no output"
+    wrapped = (
+        "[rank0]: NotImplementedError: TurboQuant KV cache is not supported\n"
+        "(EngineCore pid=12) RuntimeError: Engine core initialization failed. "
+        "See root cause above. Failed core proc(s): {}\n"
+    )
+    assert sdm.crash_text(wrapped) == (
+        "NotImplementedError: TurboQuant KV cache is not supported"
+    )
 
 
 def test_table_from_result_json(tmp_path, capsys):
