@@ -17,6 +17,7 @@ fault to show (more context-decided tokens, smaller margins).
         [--inject FAULT] [--jobs N] [--only model=...,kv=...,spec=...,cg=...]
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --speed
     python -m tests.models.tiny_hybrids.spec_decode_matrix --table RESULT.json ...
+    python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --check-configs
 
 Each engine runs in its own subprocess (``--child``), in-process engine core
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so an injected fault (FAULTS below,
@@ -610,6 +611,42 @@ def build_checkpoints(
     return paths
 
 
+def check_configs(args: argparse.Namespace) -> int:
+    """Build every selected engine's VllmConfig without starting it (no GPU
+    needed with a CPU platform): argument names, cudagraph/spec/KV choices
+    and config-time refusals, in seconds. With ``--speed``: the speed ones."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .checkpoints import MODELS as CKPTS
+    from .checkpoints import write_config
+    from .shapes import write_full_size_config
+
+    outdir = Path(args.outdir)
+    ckpts = {n: str(write_config(n, outdir / "configs" / n)) for n in CKPTS}
+    ckpts["self_draft"] = ckpts["qwen3_dense"]
+    kwargs = {}
+    if args.speed:
+        path = outdir / "configs" / "qwen3_6_27b"
+        model = str(write_full_size_config("Qwen3.6-27B", path))
+        for cg in args.modes:
+            kwargs[f"speed.{cg}"] = speed_engine_kwargs(model, cg)
+    else:
+        cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
+        for cell in cells:
+            for c in (cell.reference(), cell):
+                kwargs[c.key] = engine_kwargs(c, ckpts, args.max_num_batched_tokens)
+    failed = 0
+    for name, kw in kwargs.items():
+        try:
+            EngineArgs(**kw).create_engine_config()
+        except Exception as e:
+            failed += 1
+            first = (str(e).splitlines() or [""])[0]
+            print(f"  {name}: {type(e).__name__}: {first[:150]}")
+    print(f"{len(kwargs) - failed}/{len(kwargs)} engine configs build")
+    return 1 if failed else 0
+
+
 def run_matrix(args: argparse.Namespace) -> int:
     from .checkpoints import bigram_prompts
 
@@ -854,6 +891,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--table", nargs="+", metavar="JSON", help="print tables of earlier runs"
     )
     p.add_argument(
+        "--check-configs",
+        action="store_true",
+        help="only build each selected engine's config (with --speed: those)",
+    )
+    p.add_argument(
         "--child", nargs=2, metavar=("ARGS", "RESULT"), help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
@@ -887,6 +929,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)
     if args.table:
         return print_tables(args.table)
+    if args.check_configs:
+        return check_configs(args)
     if args.speed:
         return run_speed(args)
     return run_matrix(args)

@@ -139,6 +139,13 @@ def test_engine_kwargs_are_accepted_by_vllm(tmp_path):
             assert getattr(config.speculative_config, "method", None) == method
 
 
+def test_check_configs_cli(tmp_path, capsys):
+    argv = [str(tmp_path), "--check-configs", "--only", "model=qwen3_dense,cg=NONE"]
+    assert sdm.main(argv) == 0
+    # 2 specs x 4 KV dtypes + 4 shared references.
+    assert "12/12 engine configs build" in capsys.readouterr().out
+
+
 def test_spec_metrics_histogram():
     from vllm.v1.metrics.reader import Counter, Gauge, Vector
 
