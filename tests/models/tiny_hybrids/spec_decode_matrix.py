@@ -1,0 +1,940 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""GPU: speculative decoding is token-exact against no speculation (issue 8).
+
+For every cell (model, KV-cache dtype, speculation, cudagraph mode) one engine
+runs WITHOUT speculation and one WITH it, same model, KV dtype and cudagraph
+mode; greedy outputs are compared token for token over 64 tokens of each of a
+dozen prompts. The models are saved tiny random checkpoints (checkpoints.py)
+whose greedy output follows a bigram chain except where context decides
+(0.4-2.6 % of tokens on CPU; the ``ctx`` column counts them per cell), so a
+wrong attention/GDN result changes tokens while kernel-order rounding does
+not, and drafts (MTP, ngram, draft model) are mostly accepted. ``--gain
+CKPT=G`` lowers a checkpoint's chain weight if ``ctx`` is too small for a
+fault to show (more context-decided tokens, smaller margins).
+
+    python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR [--quick]
+        [--inject FAULT] [--jobs N] [--only model=...,kv=...,spec=...,cg=...]
+    python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --speed
+    python -m tests.models.tiny_hybrids.spec_decode_matrix --table RESULT.json ...
+    python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --check-configs
+
+Each engine runs in its own subprocess (``--child``), in-process engine core
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so an injected fault (FAULTS below,
+monkeypatched before the engine starts) reaches the model runner. Writes
+OUTDIR/matrix.json (or speed.json), OUTDIR/logs.tar.gz, prints one table.
+
+Per row: ``exact`` (12/12 prompts equal), else ``DIFF p@t`` (prompt p first
+differs at token t), with ``tie`` when the reference's top-1/top-2 logprob
+gap at that token is below 1 % of its median gap (rounding, not a wrong
+kernel); distinct tokens per prompt (min); context-decided tokens in the
+reference (``ctx``); accepted-token histogram
+(drafts with 0..k tokens accepted) and mean acceptance length; crash text.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+KV_DTYPES = ("auto", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc")
+CG_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
+# spec name -> speculative_config (the draft model path is filled in later).
+SPECS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "mtp1": {"method": "mtp", "num_speculative_tokens": 1},
+    "mtp3": {"method": "mtp", "num_speculative_tokens": 3},
+    "ngram3": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    },
+    "draft3": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixModel:
+    checkpoint: str  # key of checkpoints.MODELS
+    specs: tuple[str, ...]
+    # Checkpoint of the draft for "draft3": another key, or "self" for an
+    # identical-weights copy of the target (acceptance should be ~100 %).
+    draft: str | None = None
+
+
+MODELS: dict[str, MatrixModel] = {
+    # ngram on the hybrid: chain prompts draft, random ones often do not, so
+    # GDN rows without drafts follow rows with accepted drafts.
+    "qwen3_next": MatrixModel("qwen3_next", ("mtp1", "mtp3", "ngram3")),
+    "qwen3_5": MatrixModel("qwen3_5", ("mtp1", "mtp3")),
+    "qwen3_dense": MatrixModel("qwen3_dense", ("ngram3", "draft3"), draft="self"),
+    "hybrid_draft": MatrixModel("qwen3_next", ("draft3",), draft="qwen3_dense_draft"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    model: str
+    kv: str
+    spec: str
+    cg: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}.{self.kv}.{self.spec}.{self.cg}"
+
+    def reference(self) -> "Cell":
+        # hybrid_draft's target is qwen3_next: share its reference engine.
+        return Cell(MODELS[self.model].checkpoint, self.kv, "none", self.cg)
+
+
+def full_cells() -> list[Cell]:
+    return [
+        Cell(m, kv, spec, cg)
+        for m, mm in MODELS.items()
+        for spec in mm.specs
+        for kv in KV_DTYPES
+        for cg in CG_MODES
+    ]
+
+
+QUICK_CELLS: tuple[Cell, ...] = (
+    *(
+        Cell("qwen3_next", kv, "mtp3", cg)
+        for kv in ("auto", "turboquant_4bit_nc")
+        for cg in ("NONE", "FULL_AND_PIECEWISE")
+    ),
+    Cell("qwen3_next", "turboquant_4bit_nc", "ngram3", "FULL_AND_PIECEWISE"),
+    Cell("qwen3_5", "turboquant_4bit_nc", "mtp1", "FULL_AND_PIECEWISE"),
+    Cell("qwen3_dense", "turboquant_4bit_nc", "ngram3", "FULL_AND_PIECEWISE"),
+    Cell("qwen3_dense", "turboquant_4bit_nc", "draft3", "FULL_AND_PIECEWISE"),
+    Cell("hybrid_draft", "turboquant_4bit_nc", "draft3", "FULL_AND_PIECEWISE"),
+)
+
+
+def select(cells: list[Cell], only: str | None) -> list[Cell]:
+    """``only``: comma-separated ``field=v1|v2`` filters, e.g.
+    ``model=qwen3_next,cg=NONE|PIECEWISE``."""
+    if not only:
+        return cells
+    filters: dict[str, set[str]] = {}
+    for part in only.split(","):
+        name, _, values = part.partition("=")
+        if name not in {f.name for f in dataclasses.fields(Cell)} or not values:
+            raise SystemExit(
+                f"--only: expected field=value[|value] with field in "
+                f"model/kv/spec/cg, got {part!r}"
+            )
+        filters[name] = set(values.split("|"))
+    return [c for c in cells if all(getattr(c, k) in v for k, v in filters.items())]
+
+
+# --------------------------------------------------------------------------
+# Injected faults: FAULTS[name] = [(module, class, attribute, wrap), ...]
+# ``wrap(original) -> replacement``; applied in the child before the engine
+# starts. A missing target is an error naming it (the hook point moved: fix
+# the table, do not skip the fault).
+# --------------------------------------------------------------------------
+
+_TQ = "vllm.v1.attention.backends.turboquant_attn"
+_GDN = "vllm.v1.attention.backends.gdn_attn"
+
+
+def _max_verify_len() -> int:
+    return 1 + int(os.environ.get("HYBRIDKV_MATRIX_NUM_SPEC", "0"))
+
+
+def _plan_verify_rows(orig: Callable) -> Callable:
+    """Record on the metadata which rows are verify rows (1 < len <= 1+k)."""
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        md = orig(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        cam = common_attn_metadata
+        qsl = cam.query_start_loc_cpu[: cam.num_reqs + 1].tolist()
+        lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        limit = _max_verify_len()
+        rows = [(a, b) for a, b in zip(qsl, qsl[1:]) if 1 < b - a <= limit]
+        if lens and len(set(lens)) == 1 and 1 < lens[0] <= limit:
+            md._matrix_fault = ("uniform", lens[0])
+        elif rows:
+            md._matrix_fault = ("rows", rows)
+        return md
+
+    return build
+
+
+def _plan_from(md: Any) -> tuple | None:
+    """Verify rows read off the metadata itself, for builds that bypass the
+    wrapped ``build`` (e.g. a capture-time builder): the leading
+    ``num_decodes`` rows when they are uniform verify rows (verify rows
+    batched as decodes)."""
+    t = getattr(md, "max_query_len", 0)
+    nd = getattr(md, "num_decodes", 0)
+    if (
+        1 < t <= _max_verify_len()
+        and nd
+        and getattr(md, "num_decode_tokens", 0) == nd * t
+    ):
+        return ("prefix", t, nd)
+    return None
+
+
+def _verify_new_tokens_only(orig: Callable) -> Callable:
+    """After the real forward, overwrite verify rows with causal attention
+    over their own new K/V only (no cache read): the upstream defect."""
+    import torch.nn.functional as F
+
+    def attend(self, q, k, v):
+        # q: (B, T, Hq, D), k/v: (B, T, Hk, D)
+        rep = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.transpose(1, 2)
+
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output=None, *a, **kw
+    ):
+        output = orig(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw
+        )
+        plan = getattr(attn_metadata, "_matrix_fault", None) or _plan_from(
+            attn_metadata
+        )
+        if plan is None or key is None:
+            return output
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        flat = output.view(output.shape[0], hq * d)
+        if plan[0] in ("uniform", "prefix") and query.shape[0] % plan[1] == 0:
+            t = plan[1]
+            b = query.shape[0] // t if plan[0] == "uniform" else plan[2]
+            out = attend(
+                self,
+                query[: b * t].reshape(b, t, hq, d),
+                key[: b * t].reshape(b, t, hk, d),
+                value[: b * t].reshape(b, t, hk, d),
+            )
+            flat[: b * t] = out.reshape(b * t, hq * d).to(flat.dtype)
+        elif plan[0] == "rows":
+            for s, e in plan[1]:
+                out = attend(
+                    self,
+                    query[s:e].reshape(1, e - s, hq, d),
+                    key[s:e].reshape(1, e - s, hk, d),
+                    value[s:e].reshape(1, e - s, hk, d),
+                )
+                flat[s:e] = out.reshape(e - s, hq * d).to(flat.dtype)
+        return output
+
+    return forward
+
+
+def _gdn_offset_zero(orig: Callable) -> Callable:
+    """GDN state read from slot 0 after accepted drafts: the builder is told
+    every request accepted 1 token (as in /work/notes/gdn.md; it copies the
+    ones into its persistent buffer, so FULL graphs replay the fault)."""
+    import torch
+
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        *a,
+        **kw,
+    ):
+        if num_accepted_tokens is not None:
+            num_accepted_tokens = torch.ones_like(num_accepted_tokens)
+        return orig(
+            self, common_prefix_len, common_attn_metadata, num_accepted_tokens, *a, **kw
+        )
+
+    return build
+
+
+FAULTS: dict[str, list[tuple[str, str, str, Callable]]] = {
+    "verify-new-tokens-only": [
+        (_TQ, "TurboQuantMetadataBuilder", "build", _plan_verify_rows),
+        (_TQ, "TurboQuantAttentionImpl", "forward", _verify_new_tokens_only),
+    ],
+    "gdn-offset-zero": [
+        (_GDN, "GDNAttentionMetadataBuilder", "build", _gdn_offset_zero),
+    ],
+}
+
+
+def apply_fault(name: str) -> list[str]:
+    import importlib
+
+    if name not in FAULTS:
+        raise SystemExit(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+    done = []
+    for module, cls_name, attr, wrap in FAULTS[name]:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+        if cls is None or attr not in vars(cls):
+            raise RuntimeError(
+                f"fault {name}: {module}.{cls_name}.{attr} not found; the hook "
+                "point moved, update FAULTS in spec_decode_matrix.py"
+            )
+        setattr(cls, attr, wrap(vars(cls)[attr]))
+        done.append(f"{cls_name}.{attr}")
+    return done
+
+
+# --------------------------------------------------------------------------
+# Child: one engine.
+# --------------------------------------------------------------------------
+
+MODULE = "tests.models.tiny_hybrids.spec_decode_matrix"
+MAX_NUM_SEQS = 16
+NEW_TOKENS = 64
+
+
+def engine_kwargs(
+    cell: Cell, ckpts: dict[str, str], max_num_batched_tokens: int | None = None
+) -> dict[str, Any]:
+    from .checkpoints import MODELS as CKPTS
+
+    mm = MODELS[cell.model]
+    kwargs: dict[str, Any] = dict(
+        model=ckpts[mm.checkpoint],
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        max_num_seqs=MAX_NUM_SEQS,
+        kv_cache_memory_bytes=256 * 2**20,
+        gpu_memory_utilization=0.08,
+        kv_cache_dtype=cell.kv,
+        seed=0,
+        disable_log_stats=False,
+        **CKPTS[mm.checkpoint].engine_kwargs,
+    )
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if cell.cg == "NONE":
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["compilation_config"] = {
+            "cudagraph_mode": cell.cg,
+            "max_cudagraph_capture_size": MAX_NUM_SEQS * 4,
+        }
+    spec = SPECS[cell.spec]
+    if spec is not None:
+        spec = dict(spec)
+        if spec["method"] == "draft_model":
+            spec["model"] = ckpts["self_draft" if mm.draft == "self" else mm.draft]
+        kwargs["speculative_config"] = spec
+    return kwargs
+
+
+def spec_metrics(metrics: list) -> dict[str, Any]:
+    """Spec-decode counters from ``LLM.get_metrics()`` and the histogram of
+    accepted tokens per draft (index j: drafts with exactly j accepted)."""
+    values: dict[str, Any] = {}
+    for m in metrics:
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        short = m.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+        if hasattr(m, "values"):
+            values[short] = list(m.values)
+        elif hasattr(m, "value"):
+            values[short] = values.get(short, 0) + m.value
+    drafts = int(values.get("num_drafts", 0))
+    per_pos = [int(v) for v in values.get("num_accepted_tokens_per_pos", [])]
+    if drafts and per_pos:
+        at_least = [drafts, *per_pos, 0]
+        values["histogram"] = [
+            at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)
+        ]
+        values["mean_accept_len"] = 1 + values.get("num_accepted_tokens", 0) / drafts
+    return values
+
+
+def run_child(args: dict[str, Any]) -> dict[str, Any]:
+    if args.get("fault"):
+        print("FAULT", apply_fault(args["fault"]), flush=True)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**args["engine"])
+    params = SamplingParams(
+        max_tokens=args.get("max_tokens", NEW_TOKENS),
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=2 if args.get("logprobs") else None,
+    )
+    prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result: dict[str, Any] = {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "seconds": seconds,
+        "metrics": spec_metrics(llm.get_metrics()),
+    }
+    if args.get("logprobs"):
+        gaps = []
+        for o in outs:
+            row = []
+            for lp in o.outputs[0].logprobs or []:
+                top = sorted((v.logprob for v in lp.values()), reverse=True)
+                row.append(top[0] - top[1] if len(top) > 1 else None)
+            gaps.append(row)
+        result["gaps"] = gaps
+    return result
+
+
+_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(.*))?$")
+_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s*|\(\w+ pid=\d+\)\s*)+")
+# Wrappers that re-raise a root cause printed above them.
+_GENERIC = ("Engine core initialization failed", "See root cause above")
+
+
+def crash_text(log: str) -> str:
+    """``Type: first line`` of the last root-cause exception in ``log``."""
+    found = []
+    for line in log.splitlines():
+        m = _EXC.match(_PREFIX.sub("", line.strip()))
+        if m:
+            found.append(f"{m.group(1)}: {(m.group(2) or '').strip()}"[:200])
+    specific = [f for f in found if not any(g in f for g in _GENERIC)]
+    if specific or found:
+        return (specific or found)[-1]
+    tail = [ln for ln in log.splitlines() if ln.strip()]
+    return (tail[-1] if tail else "no output")[:200]
+
+
+def spawn(
+    name: str, args: dict[str, Any], outdir: Path, timeout: float, env: dict[str, str]
+) -> dict[str, Any]:
+    """Run one engine in a subprocess; its result or a failure record."""
+    logs = outdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    args_file = logs / f"{name}.args.json"
+    result_file = logs / f"{name}.result.json"
+    args_file.write_text(json.dumps(args))
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", MODULE, "--child", str(args_file), str(result_file)]
+    start = time.time()
+    with open(logs / f"{name}.log", "w") as log:
+        # Own session: a timeout kills the engine and its compile workers.
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    record: dict[str, Any] = {"rc": rc, "wall": round(time.time() - start, 1)}
+    if rc == 0 and result_file.exists():
+        record.update(json.loads(result_file.read_text()))
+    else:
+        text = (logs / f"{name}.log").read_text(errors="replace")
+        record["crash"] = (
+            f"TIMEOUT after {timeout:.0f}s" if rc == "timeout" else crash_text(text)
+        )
+    return record
+
+
+# --------------------------------------------------------------------------
+# Comparison and table.
+# --------------------------------------------------------------------------
+
+TIE_FRACTION = 0.01
+
+
+def context_positions(prompts: list[list[int]], outputs: list[list[int]]) -> int:
+    """Generated tokens that are not the bigram successor of the token before:
+    where context (attention, GDN) decided. A fault can only show in cells
+    where this is well above zero."""
+    from .checkpoints import successor_map
+
+    succ = successor_map()
+    n = 0
+    for p, out in zip(prompts, outputs):
+        seq = p[-1:] + out
+        n += sum(succ[a] != b for a, b in zip(seq, seq[1:]))
+    return n
+
+
+def compare(
+    ref: dict[str, Any], run: dict[str, Any], prompts: list[list[int]] | None = None
+) -> dict[str, Any]:
+    """Row fields for one cell from the reference and speculative records."""
+    row: dict[str, Any] = {}
+    for which, rec in (("ref", ref), ("spec", run)):
+        if "crash" in rec:
+            row["status"] = f"CRASH({which})"
+            row["crash"] = rec["crash"]
+            return row
+    a, b = ref["outputs"], run["outputs"]
+    first = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        pos = next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if pos is None and len(x) != len(y):
+            pos = min(len(x), len(y))
+        if pos is not None:
+            first.append((i, pos))
+    row["prompts_exact"] = f"{len(a) - len(first)}/{len(a)}"
+    if prompts is not None:
+        row["ctx_positions"] = context_positions(prompts, a)
+    row["distinct_min"] = min((len(set(o)) for o in b), default=0)
+    row["first_diffs"] = first
+    if not first:
+        row["status"] = "exact"
+    else:
+        gaps = ref.get("gaps") or []
+        flat = sorted(g for r in gaps for g in r if g is not None)
+        median = flat[len(flat) // 2] if flat else None
+        p, t = first[0]
+        gap = gaps[p][t] if p < len(gaps) and t < len(gaps[p]) else None
+        tie = gap is not None and median is not None and gap < TIE_FRACTION * median
+        row["status"] = f"DIFF {p}@{t}" + (" tie" if tie else "")
+        row["gap_at_diff"] = gap
+    m = run.get("metrics", {})
+    row["histogram"] = m.get("histogram")
+    row["mean_accept_len"] = m.get("mean_accept_len")
+    return row
+
+
+def kv_sensitivity(records: dict[str, dict[str, Any]]) -> list[str]:
+    """How far each TurboQuant reference departs from ``auto`` on the same
+    model and cudagraph mode: evidence that outputs depend on attention."""
+    lines = []
+    for name, rec in sorted(records.items()):
+        model, kv, spec, cg = (name.split(".") + [""] * 4)[:4]
+        if spec != "none" or kv == "auto" or "outputs" not in rec:
+            continue
+        auto = records.get(f"{model}.auto.none.{cg}", {})
+        if "outputs" not in auto:
+            continue
+        row = compare(auto, rec)
+        firsts = [t for _, t in row["first_diffs"]]
+        lines.append(
+            f"{kv} vs auto ({model}, {cg}): {row['prompts_exact']} prompts equal"
+            + (f", first differences at tokens {sorted(firsts)}" if firsts else "")
+        )
+    return lines
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    cols = (
+        "model",
+        "kv",
+        "spec",
+        "cg",
+        "status",
+        "exact",
+        "dist",
+        "ctx",
+        "accept hist",
+        "len",
+    )
+    lines = []
+    for r in rows:
+        acc = r.get("mean_accept_len")
+        lines.append(
+            (
+                r["model"],
+                r["kv"].removeprefix("turboquant_") if r["kv"] != "auto" else "auto",
+                r["spec"],
+                {
+                    "NONE": "none",
+                    "PIECEWISE": "pw",
+                    "FULL_AND_PIECEWISE": "full+pw",
+                }.get(r["cg"], r["cg"]),
+                r.get("status", "?"),
+                r.get("prompts_exact", "-"),
+                str(r.get("distinct_min", "-")),
+                str(r.get("ctx_positions", "-")),
+                ",".join(map(str, r["histogram"])) if r.get("histogram") else "-",
+                f"{acc:.2f}" if acc else "-",
+            )
+        )
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*cols)]
+    out += [fmt.format(*ln) for ln in lines]
+    crashes = [r for r in rows if r.get("crash")]
+    for r in crashes:
+        out.append(f"  {r['model']}.{r['kv']}.{r['spec']}.{r['cg']}: {r['crash']}")
+    exact = sum(r.get("status") == "exact" for r in rows)
+    out.append(f"{exact}/{len(rows)} cells exact")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+# Driver.
+# --------------------------------------------------------------------------
+
+
+def child_env(
+    outdir: Path, cache: Path | None, num_spec: int, in_process: bool = True
+) -> dict[str, str]:
+    env = dict(os.environ)
+    cache = cache or outdir / "cache"
+    env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    env.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    # In-process engine core: a monkeypatched fault reaches the model runner.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if in_process:
+        # Many engines compile at once on 16 cores: keep Inductor's pools small.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    env["HYBRIDKV_MATRIX_NUM_SPEC"] = str(num_spec)
+    env["HF_HUB_OFFLINE"] = "1"
+    repo = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def build_checkpoints(
+    root: Path, gains: dict[str, float] | None = None
+) -> dict[str, str]:
+    from .checkpoints import build_all, copy_checkpoint
+
+    paths = {k: str(v) for k, v in build_all(root, gains=gains).items()}
+    paths["self_draft"] = str(
+        copy_checkpoint(paths["qwen3_dense"], root / "qwen3_dense_copy")
+    )
+    return paths
+
+
+def check_configs(args: argparse.Namespace) -> int:
+    """Build every selected engine's VllmConfig without starting it (no GPU
+    needed with a CPU platform): argument names, cudagraph/spec/KV choices
+    and config-time refusals, in seconds. With ``--speed``: the speed ones."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .checkpoints import MODELS as CKPTS
+    from .checkpoints import write_config
+    from .shapes import write_full_size_config
+
+    outdir = Path(args.outdir)
+    ckpts = {n: str(write_config(n, outdir / "configs" / n)) for n in CKPTS}
+    ckpts["self_draft"] = ckpts["qwen3_dense"]
+    kwargs = {}
+    if args.speed:
+        path = outdir / "configs" / "qwen3_6_27b"
+        model = str(write_full_size_config("Qwen3.6-27B", path))
+        for cg in args.modes:
+            kwargs[f"speed.{cg}"] = speed_engine_kwargs(model, cg)
+    else:
+        cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
+        for cell in cells:
+            for c in (cell.reference(), cell):
+                kwargs[c.key] = engine_kwargs(c, ckpts, args.max_num_batched_tokens)
+    failed = 0
+    for name, kw in kwargs.items():
+        try:
+            EngineArgs(**kw).create_engine_config()
+        except Exception as e:
+            failed += 1
+            first = (str(e).splitlines() or [""])[0]
+            print(f"  {name}: {type(e).__name__}: {first[:150]}")
+    print(f"{len(kwargs) - failed}/{len(kwargs)} engine configs build")
+    return 1 if failed else 0
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    from .checkpoints import bigram_prompts
+
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
+    if not cells:
+        raise SystemExit("no cells selected")
+    t0 = time.time()
+    ckpts = build_checkpoints(outdir / "ckpt", args.gain)
+    prompts = bigram_prompts(args.prompts)
+    engines: dict[str, tuple[Cell, dict[str, Any]]] = {}
+    for cell in cells:
+        for c, fault in ((cell.reference(), None), (cell, args.inject)):
+            name = c.key + (f".{fault}" if fault else "")
+            engines[name] = (
+                c,
+                {
+                    "engine": engine_kwargs(c, ckpts, args.max_num_batched_tokens),
+                    "prompts": prompts,
+                    "fault": fault,
+                    "logprobs": c.spec == "none",
+                },
+            )
+    reused = reuse_references(args.refs, engines, prompts, args.gain)
+    for name in reused:
+        engines.pop(name)
+    print(
+        f"{len(cells)} cells, {len(engines)} engines ({len(reused)} references "
+        f"reused), {args.jobs} at a time",
+        flush=True,
+    )
+
+    done = [0]
+
+    def one(item):
+        name, (c, child_args) = item
+        num_spec = (SPECS[c.spec] or {}).get("num_speculative_tokens", 0)
+        env = child_env(outdir, args.cache, num_spec)
+        rec = spawn(name, child_args, outdir, args.timeout, env)
+        done[0] += 1
+        if "crash" in rec:
+            print(f"  {name}: {rec['crash'][:100]} ({rec['wall']}s)", flush=True)
+        elif done[0] % 10 == 0:
+            print(f"  [{done[0]}/{len(engines)}] {time.time() - t0:.0f}s", flush=True)
+        return name, rec
+
+    # Longest-first would need timings; run references and spec engines of
+    # the same cell close together so a crash shows early.
+    with ThreadPoolExecutor(args.jobs) as pool:
+        records = {**reused, **dict(pool.map(one, engines.items()))}
+    rows = []
+    for cell in cells:
+        ref = records[cell.reference().key]
+        run = records[cell.key + (f".{args.inject}" if args.inject else "")]
+        row = {
+            **dataclasses.asdict(cell),
+            "fault": args.inject,
+            **compare(ref, run, prompts),
+        }
+        rows.append(row)
+    sensitivity = kv_sensitivity(records)
+    result = {
+        "rows": rows,
+        "kv_sensitivity": sensitivity,
+        "records": records,
+        "inject": args.inject,
+        "gains": args.gain,
+        "prompts": prompts,
+        "seconds": round(time.time() - t0, 1),
+    }
+    (outdir / "matrix.json").write_text(json.dumps(result))
+    _tar_logs(outdir)
+    print(format_table(rows))
+    print(
+        f"{time.time() - t0:.0f}s; {outdir / 'matrix.json'}, {outdir / 'logs.tar.gz'}"
+    )
+    return 0 if all(r.get("status") == "exact" for r in rows) else 1
+
+
+def reuse_references(
+    refs: Path | None,
+    engines: dict[str, tuple[Cell, dict[str, Any]]],
+    prompts: list[list[int]],
+    gains: dict[str, float],
+) -> dict[str, dict[str, Any]]:
+    """Reference records (no speculation, no fault) from an earlier run's
+    matrix.json with the same prompts and gains, instead of new engines."""
+    if refs is None:
+        return {}
+    path = refs / "matrix.json" if refs.is_dir() else refs
+    prev = json.loads(path.read_text())
+    if prev.get("prompts") != prompts or prev.get("gains", {}) != gains:
+        raise SystemExit(f"--refs {path}: other prompts or --gain; run without --refs")
+    return {
+        name: prev["records"][name]
+        for name, (c, _) in engines.items()
+        if c.spec == "none" and "outputs" in prev["records"].get(name, {})
+    }
+
+
+def _tar_logs(outdir: Path) -> None:
+    with tarfile.open(outdir / "logs.tar.gz", "w:gz") as tar:
+        tar.add(outdir / "logs", arcname="logs")
+
+
+# --------------------------------------------------------------------------
+# Speed: full-size Qwen3.6-27B-shaped hybrid, dummy weights.
+# --------------------------------------------------------------------------
+
+SPEED_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
+
+
+def speed_engine_kwargs(model: str, cg: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        load_format="dummy",
+        language_model_only=True,
+        skip_tokenizer_init=True,
+        kv_cache_dtype="turboquant_4bit_nc",
+        max_model_len=1024,
+        max_num_seqs=64,
+        gpu_memory_utilization=0.92,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+        seed=0,
+        disable_log_stats=False,
+    )
+    if cg == "NONE":
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["compilation_config"] = {
+            "cudagraph_mode": cg,
+            "max_cudagraph_capture_size": 256,
+        }
+    return kwargs
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    import random
+
+    from .shapes import write_full_size_config
+
+    outdir = Path(args.outdir)
+    model = str(write_full_size_config("Qwen3.6-27B", outdir / "qwen3_6_27b"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 200000) for _ in range(128)] for _ in range(64)]
+    rows = []
+    t0 = time.time()
+    for cg in args.modes:
+        # Engine core in its own process, as users run it (no faults here).
+        env = child_env(outdir, args.cache, 3, in_process=False)
+        child_args = {
+            "engine": speed_engine_kwargs(model, cg),
+            "prompts": prompts,
+            "max_tokens": 512,
+        }
+        rec = spawn(f"speed.{cg}", child_args, outdir, args.timeout, env)
+        row = {"cg": cg, "wall": rec["wall"]}
+        if "crash" in rec:
+            row["crash"] = rec["crash"]
+        else:
+            toks = sum(len(o) for o in rec["outputs"])
+            row["out_tok_s"] = round(toks / rec["seconds"], 1)
+            row["mean_accept_len"] = rec["metrics"].get("mean_accept_len")
+        rows.append(row)
+        print(f"  speed {cg}: {row}", flush=True)
+    (outdir / "speed.json").write_text(json.dumps({"rows": rows}))
+    _tar_logs(outdir)
+    print(format_speed(rows))
+    print(f"{time.time() - t0:.0f}s")
+    return 0 if all("crash" not in r for r in rows) else 1
+
+
+def format_speed(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "Qwen3.6-27B-shaped, dummy weights, turboquant_4bit_nc, MTP k=3, 64x(128->512)"
+    ]
+    out.append("(dummy weights: acceptance is not meaningful, only speed)")
+    for r in rows:
+        if "crash" in r:
+            out.append(f"  {r['cg']:<20} CRASH {r['crash']}")
+            continue
+        line = f"  {r['cg']:<20} {r['out_tok_s']:>9.1f} out tok/s"
+        if r.get("mean_accept_len"):
+            line += f"  accept len {r['mean_accept_len']:.2f}"
+        out.append(line)
+    return "\n".join(out)
+
+
+def print_tables(paths: list[str]) -> int:
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if "rows" in data and data["rows"] and "model" in data["rows"][0]:
+            print(format_table(data["rows"]))
+        else:
+            print(format_speed(data.get("rows", [])))
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.models.tiny_hybrids.spec_decode_matrix",
+        description="speculative decoding vs none, token for token (issue 8)",
+    )
+    p.add_argument("outdir", nargs="?")
+    p.add_argument("--quick", action="store_true", help="the cells that fit 8 minutes")
+    p.add_argument(
+        "--inject", choices=sorted(FAULTS), help="fault in the speculative engine"
+    )
+    p.add_argument("--only", help="filters, e.g. model=qwen3_next,cg=NONE|PIECEWISE")
+    p.add_argument("--jobs", type=int, default=16, help="engines at a time")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per engine (default: 240 --quick, 300 --speed, else 420)",
+    )
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
+    p.add_argument(
+        "--refs",
+        type=Path,
+        default=None,
+        help="reuse the no-speculation engines of an earlier run (its OUTDIR)",
+    )
+    p.add_argument(
+        "--gain",
+        action="append",
+        default=[],
+        metavar="CKPT=G",
+        help="override a checkpoint's bigram_gain (checkpoints.MODELS), e.g. "
+        "qwen3_next=0.05: lower lets context decide more tokens",
+    )
+    p.add_argument("--speed", action="store_true", help="full-size speed run instead")
+    p.add_argument(
+        "--modes",
+        default=",".join(SPEED_MODES),
+        help="--speed: cudagraph modes to run, comma-separated",
+    )
+    p.add_argument(
+        "--table", nargs="+", metavar="JSON", help="print tables of earlier runs"
+    )
+    p.add_argument(
+        "--check-configs",
+        action="store_true",
+        help="only build each selected engine's config (with --speed: those)",
+    )
+    p.add_argument(
+        "--child", nargs=2, metavar=("ARGS", "RESULT"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+    if not (args.outdir or args.table or args.child):
+        p.error("OUTDIR is required")
+    gains = {}
+    for item in args.gain:
+        name, _, value = item.partition("=")
+        try:
+            gains[name] = float(value)
+        except ValueError:
+            p.error(f"--gain: expected CKPT=FLOAT, got {item!r}")
+    args.gain = gains
+    if args.timeout is None:
+        args.timeout = 240 if args.quick else 300 if args.speed else 420
+    modes = args.modes.split(",")
+    if not set(modes) <= set(CG_MODES):
+        p.error(f"--modes: expected some of {CG_MODES}, got {modes}")
+    args.modes = modes
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_args = json.loads(Path(args.child[0]).read_text())
+        result = run_child(child_args)
+        Path(args.child[1]).write_text(json.dumps(result))
+        sys.stdout.flush()
+        # Engine teardown can hang or crash after the work is done.
+        os._exit(0)
+    if args.table:
+        return print_tables(args.table)
+    if args.check_configs:
+        return check_configs(args)
+    if args.speed:
+        return run_speed(args)
+    return run_matrix(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,508 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU checks of spec_decode_matrix.py: cells, engine arguments, metrics,
+comparison, table, and the injected faults (hook points and what they do)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from . import spec_decode_matrix as sdm
+
+pytestmark = pytest.mark.cpu_test
+
+CKPTS = {
+    "qwen3_next": "/c/qwen3_next",
+    "qwen3_5": "/c/qwen3_5",
+    "qwen3_dense": "/c/qwen3_dense",
+    "qwen3_dense_draft": "/c/qwen3_dense_draft",
+    "self_draft": "/c/qwen3_dense_copy",
+}
+
+
+def test_quick_covers_the_required_cells():
+    quick = {c.key for c in sdm.QUICK_CELLS}
+    required = [
+        *(
+            f"qwen3_next.{kv}.mtp3.{cg}"
+            for kv in ("auto", "turboquant_4bit_nc")
+            for cg in ("NONE", "FULL_AND_PIECEWISE")
+        ),
+        "qwen3_5.turboquant_4bit_nc.mtp1.FULL_AND_PIECEWISE",
+        "qwen3_dense.turboquant_4bit_nc.ngram3.FULL_AND_PIECEWISE",
+        "hybrid_draft.turboquant_4bit_nc.draft3.FULL_AND_PIECEWISE",
+    ]
+    assert set(required) <= quick
+    assert set(quick) <= {c.key for c in sdm.full_cells()}
+
+
+def test_full_matrix_axes():
+    cells = sdm.full_cells()
+    assert {c.kv for c in cells} == set(sdm.KV_DTYPES)
+    assert {c.cg for c in cells} == set(sdm.CG_MODES)
+    assert {c.spec for c in cells} == {"mtp1", "mtp3", "ngram3", "draft3"}
+    # 3 + 2 + 2 specs on three models + 1 (hybrid + draft), 4 kv x 3 modes.
+    assert len(cells) == 8 * 12
+    # hybrid + draft compares against the hybrid main's own reference.
+    c = sdm.Cell("hybrid_draft", "auto", "draft3", "NONE")
+    assert c.reference() == sdm.Cell("qwen3_next", "auto", "none", "NONE")
+
+
+def test_select_filters_and_rejects_bad_filters():
+    cells = sdm.select(sdm.full_cells(), "model=qwen3_next,cg=NONE|PIECEWISE")
+    assert cells and all(
+        c.model == "qwen3_next" and c.cg in ("NONE", "PIECEWISE") for c in cells
+    )
+    with pytest.raises(SystemExit, match="field=value"):
+        sdm.select(sdm.full_cells(), "mode=NONE")
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["out", "--quick"], {"quick": True, "inject": None, "timeout": 240}),
+        (["out", "--inject", "gdn-offset-zero"], {"inject": "gdn-offset-zero"}),
+        (["out", "--speed"], {"speed": True, "timeout": 300}),
+        (["out", "--speed", "--modes", "NONE"], {"modes": ["NONE"]}),
+        (["out", "--timeout", "99"], {"timeout": 99, "jobs": 16, "gain": {}}),
+        (["out", "--gain", "qwen3_next=0.05"], {"gain": {"qwen3_next": 0.05}}),
+        (["--table", "a.json", "b.json"], {"table": ["a.json", "b.json"]}),
+    ],
+)
+def test_parse_args(argv, expect):
+    args = sdm.parse_args(argv)
+    for k, v in expect.items():
+        assert getattr(args, k) == v
+
+
+def test_parse_args_rejects_unknown_fault_and_missing_outdir():
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["out", "--inject", "nope"])
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["--quick"])
+    with pytest.raises(SystemExit):
+        sdm.parse_args(["out", "--speed", "--modes", "FULL"])
+
+
+def test_engine_kwargs():
+    none = sdm.engine_kwargs(sdm.Cell("qwen3_5", "auto", "none", "NONE"), CKPTS)
+    assert none["enforce_eager"] and "speculative_config" not in none
+    assert none["language_model_only"] and not none["disable_log_stats"]
+    full = sdm.engine_kwargs(
+        sdm.Cell("qwen3_next", "turboquant_4bit_nc", "mtp3", "FULL_AND_PIECEWISE"),
+        CKPTS,
+    )
+    assert "enforce_eager" not in full
+    assert full["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert full["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert full["kv_cache_dtype"] == "turboquant_4bit_nc"
+    hybrid = sdm.engine_kwargs(
+        sdm.Cell("hybrid_draft", "auto", "draft3", "PIECEWISE"), CKPTS
+    )
+    assert hybrid["model"] == CKPTS["qwen3_next"]
+    assert hybrid["speculative_config"]["model"] == CKPTS["qwen3_dense_draft"]
+    dense = sdm.engine_kwargs(sdm.Cell("qwen3_dense", "auto", "draft3", "NONE"), CKPTS)
+    assert dense["speculative_config"]["model"] == CKPTS["self_draft"]
+    # Every engine argument must survive the JSON hop to the child.
+    json.dumps(full)
+
+
+def test_engine_kwargs_are_accepted_by_vllm(tmp_path):
+    """Every argument the children pass builds a VllmConfig (CPU platform).
+
+    Cells that 0.20.2 itself refuses at config time (TurboQuant on GDN
+    hybrids, fixed by patch 0005) are left out so this passes on pristine and
+    patched alike; on the patched tree all 132 engines of the full matrix and
+    the 3 speed engines pass (checked by hand against /work/dev-spec)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .checkpoints import MODELS, write_config
+
+    ckpts = {n: str(write_config(n, tmp_path / n)) for n in MODELS}
+    ckpts["self_draft"] = ckpts["qwen3_dense"]
+    cells = [
+        c
+        for c in sdm.full_cells()
+        if c.cg != "PIECEWISE" and (c.kv == "auto" or c.model == "qwen3_dense")
+    ]
+    seen = set()
+    for cell in cells:
+        for c in (cell.reference(), cell):
+            if c.key in seen:
+                continue
+            seen.add(c.key)
+            config = EngineArgs(**sdm.engine_kwargs(c, ckpts)).create_engine_config()
+            assert config.cache_config.cache_dtype == c.kv
+            method = (sdm.SPECS[c.spec] or {}).get("method")
+            assert getattr(config.speculative_config, "method", None) == method
+
+
+def test_check_configs_cli(tmp_path, capsys):
+    argv = [str(tmp_path), "--check-configs", "--only", "model=qwen3_dense,cg=NONE"]
+    assert sdm.main(argv) == 0
+    # 2 specs x 4 KV dtypes + 4 shared references.
+    assert "12/12 engine configs build" in capsys.readouterr().out
+
+
+def test_spec_metrics_histogram():
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    metrics = [
+        Counter("vllm:spec_decode_num_drafts", {}, 10),
+        Counter("vllm:spec_decode_num_draft_tokens", {}, 30),
+        Counter("vllm:spec_decode_num_accepted_tokens", {}, 17),
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, [8, 6, 3]),
+        Gauge("vllm:kv_cache_usage_perc", {}, 0.1),
+    ]
+    m = sdm.spec_metrics(metrics)
+    # drafts with exactly 0, 1, 2, 3 accepted
+    assert m["histogram"] == [2, 2, 3, 3]
+    assert sum(j * n for j, n in enumerate(m["histogram"])) == 17
+    assert m["mean_accept_len"] == pytest.approx(2.7)
+    assert sdm.spec_metrics([]) == {}
+
+
+def _rec(outputs, gaps=None):
+    rec = {
+        "outputs": outputs,
+        "metrics": {"histogram": [1, 0, 3], "mean_accept_len": 2.5},
+    }
+    if gaps is not None:
+        rec["gaps"] = gaps
+    return rec
+
+
+def test_compare():
+    ref = _rec([[1, 2, 3, 4], [5, 6, 7, 8]], gaps=[[1.0, 1.0, 0.001, 1.0]] * 2)
+    row = sdm.compare(ref, _rec([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    assert row["status"] == "exact" and row["prompts_exact"] == "2/2"
+    assert row["histogram"] == [1, 0, 3]
+    row = sdm.compare(ref, _rec([[1, 2, 3, 4], [5, 9, 7, 8]]))
+    assert row["status"] == "DIFF 1@1" and row["first_diffs"] == [(1, 1)]
+    # A first divergence at a near-tie of the reference is marked as such.
+    row = sdm.compare(ref, _rec([[1, 2, 0, 4], [5, 6, 7, 8]]))
+    assert row["status"] == "DIFF 0@2 tie"
+    # A shorter output is a divergence too.
+    assert sdm.compare(ref, _rec([[1, 2, 3], [5, 6, 7, 8]]))["status"] == "DIFF 0@3"
+    row = sdm.compare(ref, {"crash": "RuntimeError: boom"})
+    assert row["status"] == "CRASH(spec)" and row["crash"] == "RuntimeError: boom"
+
+
+def test_context_positions():
+    from .checkpoints import successor_map
+
+    succ = successor_map()
+    follow = [succ[5], succ[succ[5]]]
+    assert sdm.context_positions([[1, 5]], [follow]) == 0
+    assert sdm.context_positions([[1, 5]], [[follow[0], follow[0]]]) == 1
+    ref = _rec([[succ[5], succ[succ[5]]]])
+    assert sdm.compare(ref, ref, [[5]])["ctx_positions"] == 0
+
+
+def test_crash_text():
+    log = "INFO x\nTraceback (most recent call last):\n  File ...\n"
+    log += "RuntimeError: Cannot copy between CPU and CUDA tensors during capture\n"
+    log += "  more context\n"
+    assert sdm.crash_text(log).startswith("RuntimeError: Cannot copy between")
+    assert sdm.crash_text("torch.OutOfMemoryError: CUDA out of memory. x") == (
+        "torch.OutOfMemoryError: CUDA out of memory. x"
+    )
+    assert sdm.crash_text("") == "no output"
+    wrapped = (
+        "[rank0]: NotImplementedError: TurboQuant KV cache is not supported\n"
+        "(EngineCore pid=12) RuntimeError: Engine core initialization failed. "
+        "See root cause above. Failed core proc(s): {}\n"
+    )
+    assert sdm.crash_text(wrapped) == (
+        "NotImplementedError: TurboQuant KV cache is not supported"
+    )
+
+
+def test_table_from_result_json(tmp_path, capsys):
+    rows = [
+        {
+            "model": "qwen3_next",
+            "kv": "turboquant_4bit_nc",
+            "spec": "mtp3",
+            "cg": "FULL_AND_PIECEWISE",
+            "status": "exact",
+            "prompts_exact": "12/12",
+            "distinct_min": 61,
+            "histogram": [3, 1, 2, 90],
+            "mean_accept_len": 3.86,
+        },
+        {
+            "model": "qwen3_dense",
+            "kv": "auto",
+            "spec": "ngram3",
+            "cg": "NONE",
+            "status": "CRASH(spec)",
+            "crash": "RuntimeError: Cannot copy between CPU and CUDA tensors",
+        },
+    ]
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps({"rows": rows}))
+    speed = tmp_path / "speed.json"
+    speed.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"cg": "FULL_AND_PIECEWISE", "out_tok_s": 1999.0, "wall": 1},
+                    {"cg": "NONE", "crash": "ValueError: x", "wall": 1},
+                ]
+            }
+        )
+    )
+    assert sdm.main(["--table", str(path), str(speed)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "model", "kv", "spec", "cg", "status", "exact", "dist", "ctx", "accept",
+        "hist", "len",
+    ]  # fmt: skip
+    assert "4bit_nc" in lines[1] and "full+pw" in lines[1] and "3,1,2,90" in lines[1]
+    assert "3.86" in lines[1]
+    assert "CRASH(spec)" in lines[2]
+    assert "qwen3_dense.auto.ngram3.NONE: RuntimeError: Cannot copy" in out
+    assert "1/2 cells exact" in out
+    assert "1999.0 out tok/s" in out and "CRASH ValueError: x" in out
+    assert "not meaningful" in out
+
+
+def test_fault_hook_points_exist_in_installed_vllm():
+    """The FAULTS table names attributes that exist: apply_fault would fail
+    loudly otherwise (checked without patching anything)."""
+    import importlib
+
+    for name, targets in sdm.FAULTS.items():
+        for module, cls_name, attr, _ in targets:
+            cls = getattr(importlib.import_module(module), cls_name)
+            assert attr in vars(cls), f"{name}: {cls_name}.{attr}"
+
+
+def test_apply_fault_names_a_moved_hook(monkeypatch):
+    monkeypatch.setitem(
+        sdm.FAULTS, "gdn-offset-zero", [("json", "NoSuchClass", "build", None)]
+    )
+    with pytest.raises(RuntimeError, match=r"json\.NoSuchClass\.build not found"):
+        sdm.apply_fault("gdn-offset-zero")
+
+
+def _cam(qlens, num_reqs=None):
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return SimpleNamespace(
+        query_start_loc_cpu=qsl,
+        num_reqs=num_reqs or len(qlens),
+        max_query_len=max(qlens),
+    )
+
+
+@pytest.mark.parametrize(
+    "qlens, plan",
+    [
+        ([4, 4, 4], ("uniform", 4)),
+        ([1, 1], None),
+        ([4, 1, 30], ("rows", [(0, 4)])),
+        ([2, 4, 9], ("rows", [(0, 2), (2, 6)])),
+    ],
+)
+def test_plan_verify_rows(monkeypatch, qlens, plan):
+    monkeypatch.setenv("HYBRIDKV_MATRIX_NUM_SPEC", "3")
+    build = sdm._plan_verify_rows(lambda self, cpl, cam: SimpleNamespace())
+    md = build(None, 0, _cam(qlens))
+    assert getattr(md, "_matrix_fault", None) == plan
+
+
+def _reference_new_only(q, k, v, scale):
+    # float64 reference: causal attention over the row's own tokens, GQA.
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, 1)
+    v = v.repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    t = q.shape[0]
+    s = s.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("plan_kind", ["uniform", "rows", "metadata"])
+def test_verify_new_tokens_only_fault(plan_kind, monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_MATRIX_NUM_SPEC", "3")
+    torch.manual_seed(0)
+    hq, hk, d, t, b = 4, 2, 8, 4, 3
+    n = b * t + 5  # 5 prefill tokens after the verify rows in the "rows" case
+    impl = SimpleNamespace(num_heads=hq, num_kv_heads=hk, head_size=d, scale=0.3)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
+    marker = 7.0
+
+    def orig(self, layer, query, key, value, kv_cache, md, output=None):
+        return output.fill_(marker)
+
+    fwd = sdm._verify_new_tokens_only(orig)
+    if plan_kind == "uniform":
+        plan, rows = ("uniform", t), [(i * t, (i + 1) * t) for i in range(b)]
+        n_used = b * t
+        md = SimpleNamespace(_matrix_fault=plan)
+    elif plan_kind == "rows":
+        rows = [(0, t), (t, 2 * t)]
+        plan, n_used = ("rows", rows), 2 * t
+        md = SimpleNamespace(_matrix_fault=plan)
+    else:
+        # No plan from build: verify rows batched as decodes, read off md.
+        rows, n_used = [(i * t, (i + 1) * t) for i in range(b)], b * t
+        md = SimpleNamespace(max_query_len=t, num_decodes=b, num_decode_tokens=b * t)
+    qq, kk, vv = q[:n_used], k[:n_used], v[:n_used]
+    out = fwd(
+        impl,
+        None,
+        qq.reshape(n_used, -1),
+        kk,
+        vv,
+        None,
+        md,
+        torch.empty(n_used, hq * d),
+    )
+    out = out.view(n_used, hq, d)
+    for s, e in rows:
+        ref = _reference_new_only(qq[s:e], kk[s:e], vv[s:e], impl.scale)
+        torch.testing.assert_close(out[s:e].double(), ref, atol=1e-5, rtol=1e-5)
+    # Without a plan the real forward's output is untouched.
+    md = SimpleNamespace()
+    out = fwd(
+        impl,
+        None,
+        qq.reshape(n_used, -1),
+        kk,
+        vv,
+        None,
+        md,
+        torch.empty(n_used, hq * d),
+    )
+    assert bool((out == marker).all())
+
+
+def test_gdn_offset_zero_fault():
+    seen = []
+
+    def orig(self, cpl, cam, num_accepted_tokens=None, num_draft_cpu=None, fast=False):
+        seen.append((num_accepted_tokens, num_draft_cpu, fast))
+        return "md"
+
+    build = sdm._gdn_offset_zero(orig)
+    acc = torch.tensor([4, 1, 3], dtype=torch.int32)
+    assert build(None, 0, None, acc, "drafts", fast=True) == "md"
+    assert seen[-1][0].tolist() == [1, 1, 1] and seen[-1][1:] == ("drafts", True)
+    assert acc.tolist() == [4, 1, 3]  # the runner's tensor is left alone
+    build(None, 0, None, num_accepted_tokens=acc)
+    assert seen[-1][0].tolist() == [1, 1, 1]
+    # Non-speculative steps pass no counts; nothing to do.
+    build(None, 0, None)
+    assert seen[-1][0] is None
+
+
+def test_kv_sensitivity():
+    records = {
+        "qwen3_next.auto.none.NONE": {"outputs": [[1, 2, 3], [4, 5, 6]]},
+        "qwen3_next.turboquant_4bit_nc.none.NONE": {"outputs": [[1, 9, 3], [4, 5, 6]]},
+        "qwen3_next.turboquant_3bit_nc.none.NONE": {"crash": "x"},
+        "qwen3_next.turboquant_4bit_nc.mtp3.NONE": {"outputs": [[0]]},
+    }
+    expected = (
+        "turboquant_4bit_nc vs auto (qwen3_next, NONE): 1/2 prompts equal, "
+        "first differences at tokens [1]"
+    )
+    assert sdm.kv_sensitivity(records) == [expected]
+
+
+_FAKE_CHILD = """
+import json, sys, time
+args = json.load(open(sys.argv[2]))
+if args["mode"] == "crash":
+    raise ValueError("no engine for you\\nsecond line")
+if args["mode"] == "hang":
+    time.sleep(60)
+json.dump({"outputs": [[1]], "seconds": 0.1, "metrics": {}}, open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, expect",
+    [
+        ("ok", {"rc": 0, "outputs": [[1]]}),
+        ("crash", {"rc": 1, "crash": "ValueError: no engine for you"}),
+        ("hang", {"rc": "timeout", "crash": "TIMEOUT after 3s"}),
+    ],
+)
+def test_spawn_records_results_crashes_and_timeouts(
+    tmp_path, monkeypatch, mode, expect
+):
+    (tmp_path / "fake_child.py").write_text(_FAKE_CHILD)
+    monkeypatch.setattr(sdm, "MODULE", "fake_child")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    rec = sdm.spawn(mode, {"mode": mode}, tmp_path / "out", 3, env)
+    for k, v in expect.items():
+        assert rec[k] == v
+    assert (tmp_path / "out" / "logs" / f"{mode}.log").exists()
+
+
+_FAKE_ENGINE = """
+import json, sys
+args = json.load(open(sys.argv[2]))
+eng = args["engine"]
+outs = [[(t * 7 + i) % 2048 for i in range(8)] for t in range(len(args["prompts"]))]
+if eng.get("speculative_config") and args["fault"] and eng["kv_cache_dtype"] != "auto":
+    outs[3][5] += 1
+metrics = {}
+if eng.get("speculative_config"):
+    metrics = {"histogram": [1, 0, 0, 9], "mean_accept_len": 3.7}
+res = {"outputs": outs, "seconds": 0.1, "metrics": metrics}
+if args["logprobs"]:
+    res["gaps"] = [[1.0] * 8 for _ in outs]
+json.dump(res, open(sys.argv[3], "w"))
+"""
+
+
+@pytest.mark.parametrize("inject", [None, "verify-new-tokens-only"])
+def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "out"
+    argv = [str(out), "--quick", "--jobs", "4"] + (
+        ["--inject", inject] if inject else []
+    )
+    rc = sdm.main(argv)
+    data = json.loads((out / "matrix.json").read_text())
+    statuses = {
+        f"{r['model']}.{r['kv']}.{r['spec']}.{r['cg']}": r["status"]
+        for r in data["rows"]
+    }
+    assert len(statuses) == len(sdm.QUICK_CELLS)
+    assert (out / "logs.tar.gz").stat().st_size > 0
+    # References are shared: 6 reference engines + 9 speculative ones.
+    assert len(data["records"]) == 15
+    if inject is None:
+        assert rc == 0 and set(statuses.values()) == {"exact"}
+    else:
+        assert rc == 1
+        for key, status in statuses.items():
+            expect = "exact" if ".auto." in key else "DIFF 3@5"
+            assert status == expect, key
+
+
+def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    clean = tmp_path / "clean"
+    assert sdm.main([str(clean), "--quick", "--jobs", "4"]) == 0
+    out = tmp_path / "fault"
+    argv = [str(out), "--quick", "--inject", "gdn-offset-zero", "--refs", str(clean)]
+    assert sdm.main(argv) == 1
+    logs = {p.name for p in (out / "logs").glob("*.log")}
+    assert logs and all("gdn-offset-zero" in n for n in logs)
+    with pytest.raises(SystemExit, match="other prompts"):
+        sdm.main([str(out), "--quick", "--prompts", "6", "--refs", str(clean)])
