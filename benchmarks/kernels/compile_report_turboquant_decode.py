@@ -70,6 +70,7 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
         VAL_DATA_BYTES=head_dim * cfg.value_quant_bits // 8,
         NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
         FP8_E4B15=0,
+        KEY_CHUNK=min(head_dim, getattr(splitkv, "MSE_KEY_CHUNK", head_dim)),
     )
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32")
