@@ -170,6 +170,9 @@ def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
     cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
+    # As vLLM's backends do: no fa_version argument when none was chosen.
+    version = {} if fa_version is None else {"fa_version": fa_version}
+
     def run():
         flash_attn_varlen_func(
             q=q,
@@ -183,7 +186,7 @@ def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
             causal=True,
             block_table=block_table,
             out=out,
-            fa_version=fa_version,
+            **version,
         )
 
     try:
@@ -288,7 +291,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
         fa_us = timer(fa) if fa else None
         if fa_err:
             log(f"  {label} {B}x{ctx}: {fa_err}")
-        del k_cache, v_cache
+        del k_cache, v_cache, fa  # the runner holds the bf16 caches
         rows.append(
             dict(
                 kind="decode",
