@@ -166,6 +166,11 @@ def run_child(spec: dict) -> dict:
                 + ", ".join(f"{r['output_tok_s']:.0f} tok/s" for r in reps),
                 flush=True,
             )
+        # Free the GPU before this process exits without teardown (main()).
+        try:
+            llm.llm_engine.engine_core.shutdown(timeout=60)
+        except Exception as e:  # noqa: BLE001 - best effort
+            print(f"engine shutdown: {type(e).__name__}: {e}", flush=True)
     return results
 
 
@@ -320,8 +325,8 @@ def main():
         results = run_child(json.loads(args.child))
         print(_RESULT + json.dumps(results), flush=True)
         sys.stderr.flush()
-        # Skip interpreter teardown: an engine that hangs on shutdown would
-        # hold the parent until its timeout; the engine core exits with us.
+        # Skip interpreter teardown (the engine core was shut down above): a
+        # hang there would hold the parent until its timeout.
         os._exit(0)
 
     base = (
