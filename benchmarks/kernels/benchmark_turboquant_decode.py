@@ -618,7 +618,7 @@ def run_all(args, timer, bw, rows, log):
                 f"{fmt_us(r['fa_us'])} us "
                 f"({fmt_pct(pct(r['bytes'], r['fa_us'], bw))} of copy bandwidth)"
             )
-    if args.quick or args.sweep:
+    if (args.quick or args.sweep) and not args.no_sweep:
         log("sweep: new kernel launch geometry")
         bench_sweep(SWEEP_CASES, SWEEP_PRESETS, timer, bw, rows, log)
     if not args.no_store:
@@ -647,6 +647,7 @@ def main():
         help="launch-geometry sweep (always on with --quick)",
     )
     ap.add_argument("--no-store", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the sweep in --quick")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
