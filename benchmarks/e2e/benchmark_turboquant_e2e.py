@@ -226,10 +226,9 @@ def run_config(model, kv, scenarios, args) -> dict:
     row["kv_tokens"] = int(m[-1].replace(",", "")) if m else None
     res = [line for line in log.splitlines() if line.startswith(_RESULT)]
     if res:
-        row["scenarios"] = {
-            name: summarize(reps)
-            for name, reps in json.loads(res[-1][len(_RESULT) :]).items()
-        }
+        found = json.loads(res[-1][len(_RESULT) :])
+        row["device"] = found.pop("_device", None)
+        row["scenarios"] = {name: summarize(reps) for name, reps in found.items()}
     else:
         row["error_tail"] = log[-3000:]
     return row
@@ -323,6 +322,9 @@ def main():
 
     if args.child:
         results = run_child(json.loads(args.child))
+        import torch
+
+        results["_device"] = torch.cuda.get_device_name()
         print(_RESULT + json.dumps(results), flush=True)
         sys.stderr.flush()
         # Skip interpreter teardown (the engine core was shut down above): a
@@ -343,6 +345,7 @@ def main():
     scenarios = args.scenarios or base["scenarios"]
     args.repeats = args.repeats or base["repeats"]
 
+    # No CUDA in this process: its context would take GPU memory from the engines.
     import torch
 
     import vllm
@@ -351,7 +354,7 @@ def main():
         time=datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M UTC"
         ),
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        device=None,  # from the first engine process
         vllm=vllm.__version__,
         torch=torch.__version__,
         python=platform.python_version(),
@@ -361,7 +364,7 @@ def main():
         tq_decode=os.environ.get("HYBRIDKV_TQ_DECODE", "default"),
     )
     print(
-        f"{meta['device']}, vLLM {meta['vllm']}: {models} x {kvs} x {scenarios}",
+        f"vLLM {meta['vllm']}: {models} x {kvs} x {scenarios}",
         flush=True,
     )
     start = time.time()
@@ -379,6 +382,7 @@ def main():
             if "scenarios" not in row:
                 print(row["error_tail"][-1500:], flush=True)
     add_ratios(rows)
+    meta["device"] = next((r["device"] for r in rows if r.get("device")), "unknown")
     meta["wall_s"] = round(time.time() - start, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
