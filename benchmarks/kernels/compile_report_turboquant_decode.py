@@ -48,6 +48,7 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
     pointers = dict(
         Q_ptr=f"*{q_type}",
         KV_ptr="*u8",
+        KV16_ptr="*i16",
         Block_table_ptr="*i32",
         Seq_lens_ptr="*i32",
         Centroids_ptr="*fp32",
@@ -70,6 +71,7 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
         VAL_DATA_BYTES=head_dim * cfg.value_quant_bits // 8,
         NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
         FP8_E4B15=0,
+        WORD16=True,
         KEY_CHUNK=min(head_dim, getattr(splitkv, "MSE_KEY_CHUNK", head_dim)),
     )
     signature = {
