@@ -1,0 +1,400 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End-to-end TurboQuant vs bf16/fp8 KV cache: throughput, TTFT, TPOT, KV tokens.
+
+One command on a GPU host with the patched vLLM installed, from the repo root
+(the model configs come from tests/models/tiny_hybrids/full_size):
+
+    python benchmarks/e2e/benchmark_turboquant_e2e.py --quick      # < 8 min, one H100
+    python benchmarks/e2e/benchmark_turboquant_e2e.py              # the full table
+
+Each (model, KV dtype) configuration runs in its own process (an engine owns
+the GPU for its lifetime) with dummy weights and no tokenizer: prompts are
+random token ids, ``ignore_eos`` fixes every output length. Inside a process
+every scenario runs ``--repeats`` times after one warm-up request; all its
+prompts are submitted at once (offline throughput; TTFT includes queueing).
+Per scenario: output tokens/s, TTFT and TPOT median and p90 over requests
+(median over repeats), spread of tokens/s over repeats, and every figure's
+ratio to ``auto`` from the same run; the engine's "GPU KV cache size" line
+gives KV tokens. Results: benchmarks/results/e2e-<time>.json and .md (or
+``--out``), with device and versions. Dummy weights make outputs meaningless
+(and repetitive), which is fine for speed, not for quality.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRESETS = [
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
+KV_DTYPES = ["auto", "fp8", *PRESETS]
+MODELS = {
+    # label: (full-size record in tests/models/tiny_hybrids/full_size, engine extras)
+    "Qwen3-4B": ("Qwen3-4B", {}),
+    "Qwen3.6-27B": ("Qwen3.6-27B", {"language_model_only": True}),
+}
+# name: (prompts, input tokens, output tokens)
+SCENARIOS = {
+    "short-decode": (64, 128, 512),
+    "long-prefill": (16, 4096, 128),
+    "mixed": (64, 512, 512),
+    "high-load": (500, 512, 128),
+    "very-long-prefill": (16, 8192, 64),
+    "decode-heavy": (32, 64, 1024),
+    "long-ctx-1": (1, 32768, 256),
+    "long-ctx-16": (16, 32768, 256),
+    "long-ctx-64": (64, 32768, 256),
+}
+QUICK = dict(
+    models=["Qwen3-4B"],
+    kv=["auto", "turboquant_k8v4", "turboquant_4bit_nc"],
+    scenarios=["short-decode", "decode-heavy", "long-ctx-1"],
+    repeats=2,
+)
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_RESULT = "HYBRIDKV_E2E_RESULT "
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------- child ----
+
+
+def run_child(spec: dict) -> dict:
+    """One engine, every scenario of the spec; returns per-scenario figures."""
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
+
+    sys.path.insert(0, str(REPO))
+    from tests.models.tiny_hybrids.shapes import load_full_size, write_full_size_config
+
+    record, extras = MODELS[spec["model"]]
+    cfg = load_full_size(record)
+    vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+    scenarios = {name: SCENARIOS[name] for name in spec["scenarios"]}
+    max_len = max(i + o for _, i, o in scenarios.values()) + 16
+    # No more sequences than a scenario submits: fewer CUDA graphs to capture.
+    max_seqs = max(16, max(n for n, _, _ in scenarios.values()))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_full_size_config(record, tmp)
+        llm = LLM(
+            model=str(model_dir),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            kv_cache_dtype=spec["kv"],
+            max_model_len=max_len,
+            max_num_seqs=min(max_seqs, 512),
+            gpu_memory_utilization=spec["gpu_memory_utilization"],
+            disable_log_stats=False,
+            seed=0,
+            **extras,
+        )
+        rng = random.Random(0)
+
+        def prompts(n, length):
+            return [
+                TokensPrompt(
+                    prompt_token_ids=[
+                        rng.randrange(100, vocab - 100) for _ in range(length)
+                    ]
+                )
+                for _ in range(n)
+            ]
+
+        warm = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)
+        llm.generate(prompts(2, 64), warm, use_tqdm=False)
+        results = {}
+        for name, (n, in_len, out_len) in scenarios.items():
+            params = SamplingParams(
+                max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=0.0
+            )
+            reps = []
+            for _ in range(spec["repeats"]):
+                batch = prompts(n, in_len)
+                t0 = time.perf_counter()
+                outs = llm.generate(batch, params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+                gen = sum(len(o.outputs[0].token_ids) for o in outs)
+                ttft, tpot = [], []
+                for o in outs:
+                    m = o.metrics
+                    if m is None:
+                        continue
+                    if m.first_token_latency:
+                        ttft.append(m.first_token_latency)
+                    k = len(o.outputs[0].token_ids)
+                    if k > 1 and m.last_token_ts > m.first_token_ts:
+                        tpot.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+                reps.append(
+                    dict(
+                        wall_s=wall,
+                        output_tokens=gen,
+                        output_tok_s=gen / wall,
+                        ttft_median_s=percentile(ttft, 0.5),
+                        ttft_p90_s=percentile(ttft, 0.9),
+                        tpot_median_s=percentile(tpot, 0.5),
+                        tpot_p90_s=percentile(tpot, 0.9),
+                    )
+                )
+            results[name] = reps
+            print(
+                f"[{spec['model']} {spec['kv']}] {name}: "
+                + ", ".join(f"{r['output_tok_s']:.0f} tok/s" for r in reps),
+                flush=True,
+            )
+        # Free the GPU before this process exits without teardown (main()).
+        try:
+            llm.llm_engine.engine_core.shutdown(timeout=60)
+        except Exception as e:  # noqa: BLE001 - best effort
+            print(f"engine shutdown: {type(e).__name__}: {e}", flush=True)
+    return results
+
+
+# --------------------------------------------------------------- parent ----
+
+
+def summarize(reps: list[dict]) -> dict:
+    def med(key):
+        xs = [r[key] for r in reps if r[key] is not None]
+        return statistics.median(xs) if xs else None
+
+    toks = [r["output_tok_s"] for r in reps]
+    return dict(
+        repeats=len(reps),
+        output_tok_s=statistics.median(toks),
+        output_tok_s_spread=(max(toks) - min(toks)) / statistics.median(toks)
+        if len(toks) > 1
+        else None,
+        ttft_median_s=med("ttft_median_s"),
+        ttft_p90_s=med("ttft_p90_s"),
+        tpot_median_s=med("tpot_median_s"),
+        tpot_p90_s=med("tpot_p90_s"),
+    )
+
+
+def run_config(model, kv, scenarios, args) -> dict:
+    spec = dict(
+        model=model,
+        kv=kv,
+        scenarios=scenarios,
+        repeats=args.repeats,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    t0 = time.time()
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
+        ),
+    )
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env=env
+        )
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        log = out.decode() if isinstance(out, bytes) else out
+        rc = "timeout"
+    row = dict(model=model, kv=kv, rc=rc, wall_s=round(time.time() - t0, 1))
+    m = _KV_TOKENS.findall(log)
+    row["kv_tokens"] = int(m[-1].replace(",", "")) if m else None
+    res = [line for line in log.splitlines() if line.startswith(_RESULT)]
+    if res:
+        found = json.loads(res[-1][len(_RESULT) :])
+        row["device"] = found.pop("_device", None)
+        row["scenarios"] = {name: summarize(reps) for name, reps in found.items()}
+    else:
+        row["error_tail"] = log[-3000:]
+    return row
+
+
+def add_ratios(rows):
+    base = {r["model"]: r for r in rows if r["kv"] == "auto" and "scenarios" in r}
+    for r in rows:
+        b = base.get(r["model"])
+        if not b or "scenarios" not in r:
+            continue
+        if b.get("kv_tokens") and r.get("kv_tokens"):
+            r["kv_tokens_ratio"] = r["kv_tokens"] / b["kv_tokens"]
+        for name, s in r["scenarios"].items():
+            bs = b["scenarios"].get(name)
+            if not bs:
+                continue
+            for key in (
+                "output_tok_s",
+                "ttft_median_s",
+                "ttft_p90_s",
+                "tpot_median_s",
+                "tpot_p90_s",
+            ):
+                if s.get(key) and bs.get(key):
+                    s[key + "_vs_auto"] = s[key] / bs[key]
+
+
+def fmt(x, spec=".2f", scale=1.0):
+    return "n/a" if x is None else format(x * scale, spec)
+
+
+def markdown(meta, rows):
+    out = [
+        f"# TurboQuant end-to-end ({meta['time']})",
+        "",
+        (
+            f"Device: {meta['device']}; vLLM {meta['vllm']}, torch {meta['torch']}; "
+            f"dummy weights, {meta['repeats']} repeat(s) per scenario, offline batch "
+            "(all prompts at once; TTFT includes queueing). Ratios are to `auto` in "
+            "this run; spread = (max - min) / median of tok/s over repeats."
+        ),
+        "",
+        (
+            "| model | KV | KV tokens (x auto) | scenario | out tok/s (x auto) "
+            "| spread | TTFT med / p90 ms (x auto) | TPOT med / p90 ms (x auto) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        kvt = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "n/a"
+        if r.get("kv_tokens_ratio"):
+            kvt += f" ({r['kv_tokens_ratio']:.2f}x)"
+        if "scenarios" not in r:
+            out.append(
+                f"| {r['model']} | {r['kv']} | {kvt} | FAILED (rc {r['rc']}) | | | | |"
+            )
+            continue
+        for name, s in r["scenarios"].items():
+            tok = fmt(s["output_tok_s"], ",.0f")
+            ttft = "{} / {}".format(
+                fmt(s["ttft_median_s"], ",.0f", 1e3), fmt(s["ttft_p90_s"], ",.0f", 1e3)
+            )
+            tpot = "{} / {}".format(
+                fmt(s["tpot_median_s"], ".2f", 1e3), fmt(s["tpot_p90_s"], ".2f", 1e3)
+            )
+            out.append(
+                f"| {r['model']} | {r['kv']} | {kvt} | {name} | "
+                f"{tok} ({fmt(s.get('output_tok_s_vs_auto'))}x) | "
+                f"{fmt(s['output_tok_s_spread'], '.1%', 1)} | "
+                f"{ttft} ({fmt(s.get('ttft_median_s_vs_auto'))}x) | "
+                f"{tpot} ({fmt(s.get('tpot_median_s_vs_auto'))}x) |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help=f"subset: {QUICK}")
+    ap.add_argument("--models", nargs="*", choices=list(MODELS))
+    ap.add_argument("--kv", nargs="*", choices=KV_DTYPES)
+    ap.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS))
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
+    )
+    args = ap.parse_args()
+
+    if args.child:
+        results = run_child(json.loads(args.child))
+        import torch
+
+        results["_device"] = torch.cuda.get_device_name()
+        print(_RESULT + json.dumps(results), flush=True)
+        sys.stderr.flush()
+        # Skip interpreter teardown (the engine core was shut down above): a
+        # hang there would hold the parent until its timeout.
+        os._exit(0)
+
+    base = (
+        QUICK
+        if args.quick
+        else dict(
+            models=list(MODELS), kv=KV_DTYPES, scenarios=list(SCENARIOS), repeats=3
+        )
+    )
+    models = args.models or base["models"]
+    kvs = args.kv or base["kv"]
+    if "auto" not in kvs:
+        kvs = ["auto", *kvs]  # ratios need it
+    scenarios = args.scenarios or base["scenarios"]
+    args.repeats = args.repeats or base["repeats"]
+
+    # No CUDA in this process: its context would take GPU memory from the engines.
+    import torch
+
+    import vllm
+
+    meta = dict(
+        time=datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        device=None,  # from the first engine process
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        repeats=args.repeats,
+        quick=args.quick,
+        scenarios={s: SCENARIOS[s] for s in scenarios},
+        tq_decode=os.environ.get("HYBRIDKV_TQ_DECODE", "default"),
+    )
+    print(
+        f"vLLM {meta['vllm']}: {models} x {kvs} x {scenarios}",
+        flush=True,
+    )
+    start = time.time()
+    rows = []
+    for model in models:
+        for kv in kvs:
+            row = run_config(model, kv, scenarios, args)
+            rows.append(row)
+            status = "ok" if "scenarios" in row else f"FAILED rc={row['rc']}"
+            print(
+                f"{model} {kv}: {status}, KV tokens {row['kv_tokens']}, "
+                f"{row['wall_s']} s",
+                flush=True,
+            )
+            if "scenarios" not in row:
+                print(row["error_tail"][-1500:], flush=True)
+    add_ratios(rows)
+    meta["device"] = next((r["device"] for r in rows if r.get("device")), "unknown")
+    meta["wall_s"] = round(time.time() - start, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out / f"e2e-{stamp}.json").write_text(
+        json.dumps(dict(meta=meta, rows=rows), indent=1)
+    )
+    md = markdown(meta, rows)
+    (out / f"e2e-{stamp}.md").write_text(md)
+    print(md)
+    print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,705 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant decode/store kernels vs FlashAttention bf16 on a paged cache.
+
+One command on a GPU host with the patched vLLM importable:
+
+    python benchmarks/kernels/benchmark_turboquant_decode.py --quick
+
+For every case (query/KV heads x head_dim, batch x context) and TurboQuant
+preset it prints the bytes the decode kernel must read, the floor (bytes over
+the copy bandwidth measured in the same run), the median time (CUDA events,
+L2 flushed before every timed call) of FlashAttention bf16, of 0.20.2's kernel
+(``old``) and of patch 0014's kernel (``new``, through the same entry point),
+the fraction of copy bandwidth each reaches and the speed ratio to FA. Then
+the store kernel (a decode step and a prefill chunk) against bf16's
+``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
+new kernel's launch geometries on two cases. Caches hold real packed slots
+(the store kernel on random K/V, tiled over the cache); pages are shuffled.
+
+Writes benchmarks/results/kernels-<time>.json and .md (or --out DIR).
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = [
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
+PAGE = 16
+
+# (label, query heads, KV heads, head_dim, batch, context)
+CASES = [
+    ("Qwen3-4B", 32, 8, 128, 1, 32768),
+    ("Qwen3-4B", 32, 8, 128, 16, 8192),
+    ("Qwen3-4B", 32, 8, 128, 64, 32768),
+    ("Qwen3.6-27B", 24, 4, 256, 16, 8192),
+    ("Qwen3.6-27B", 24, 4, 256, 64, 32768),
+    ("Qwen3-Next", 16, 2, 256, 16, 8192),  # GQA 8
+    ("Gemma4-31B-full", 32, 4, 512, 16, 8192),  # head_dim 512, GQA 8
+]
+QUICK_CASES = [CASES[0], CASES[1], CASES[3], ("Gemma4-31B-full", 32, 4, 512, 4, 8192)]
+SWEEP_CASES = [CASES[1], CASES[3]]
+SWEEP_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc"]
+SWEEP_GEOMETRIES = {  # (BLOCK_N, warps, stages); the kernel's defaults first
+    128: [(16, 2, 1), (32, 4, 1), (16, 4, 2), (64, 8, 1)],
+    256: [(16, 2, 1), (16, 4, 1), (16, 4, 2), (32, 8, 1)],
+}
+STORE_TOKENS = [64, 8192]
+
+
+def tq_config(preset, head_dim):
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+
+    return TurboQuantConfig.from_cache_dtype(preset, head_dim)
+
+
+class Timer:
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+        # Larger than H100/H200 L2 (50/60 MB): every timed call starts cold.
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        """Median microseconds of fn()."""
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        for s, e in zip(starts, ends):
+            self.flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Device-to-device copy, (read + write) bytes per second."""
+    n = 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = timer(functools.partial(dst.copy_, src))
+    return 2 * n / (t * 1e-6)
+
+
+def paged_layout(batch, context, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pages = math.ceil(context / PAGE)
+    num_blocks = batch * pages + 1
+    perm = torch.randperm(num_blocks, generator=g)[: batch * pages].to(torch.int32)
+    block_table = perm.view(batch, pages).cuda()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return num_blocks, block_table, seq_lens
+
+
+def tq_tables(cfg, head_dim):
+    from vllm.model_executor.layers.quantization.turboquant.centroids import (
+        get_centroids,
+    )
+
+    bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
+    centroids, _ = get_centroids(head_dim, bits).float().sort()
+    midpoints = (centroids[:-1] + centroids[1:]) / 2
+    h = torch.tensor([[1.0]])
+    while h.shape[0] < head_dim:  # Sylvester Hadamard, as the backend uses
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    pit = (h / math.sqrt(head_dim)).contiguous()
+    return centroids.cuda(), midpoints.cuda(), pit.cuda()
+
+
+def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
+    """Real packed slots: store a pool of random tokens, tile it over the cache."""
+    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+    pool_tokens = 4096
+    pool = torch.zeros(
+        pool_tokens // PAGE, PAGE, hk, cache.shape[-1], dtype=torch.uint8, device="cuda"
+    )
+    k = torch.randn(pool_tokens, hk, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(pool_tokens, hk, head_dim, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(pool_tokens, dtype=torch.int32, device="cuda")
+    triton_turboquant_store(
+        k,
+        v,
+        pool,
+        slots,
+        pit,
+        midpoints,
+        mse_bits=cfg.key_mse_bits,
+        key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits,
+        key_fp8=cfg.key_fp8,
+    )
+    flat = cache.view(-1, hk * cache.shape[-1])
+    src = pool.view(-1, hk * cache.shape[-1])
+    for i in range(0, flat.shape[0], pool_tokens):
+        n = min(pool_tokens, flat.shape[0] - i)
+        flat[i : i + n] = src[:n]
+
+
+def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
+    try:
+        from vllm.v1.attention.backends.fa_utils import (
+            flash_attn_varlen_func,
+            get_flash_attn_version,
+        )
+
+        fa_version = get_flash_attn_version(head_size=q.shape[-1])
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+        return None, f"FA unavailable: {type(e).__name__}: {e}"
+    B = q.shape[0]
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    # As vLLM's backends do: no fa_version argument when none was chosen.
+    version = {} if fa_version is None else {"fa_version": fa_version}
+
+    def run():
+        flash_attn_varlen_func(
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            max_seqlen_q=1,
+            cu_seqlens_q=cu_q,
+            max_seqlen_k=context,
+            seqused_k=seq_lens,
+            softmax_scale=scale,
+            causal=True,
+            block_table=block_table,
+            out=out,
+            **version,
+        )
+
+    try:
+        run()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return None, f"FA failed: {type(e).__name__}: {str(e)[:120]}"
+    return run, None
+
+
+def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new):
+    from vllm.v1.attention.ops import triton_turboquant_decode as dec
+
+    try:
+        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    except ImportError:
+        splitkv = None
+    if new and splitkv is None:
+        return None
+    B, Hq, D = q.shape
+    S = 32  # the backend's tq_max_kv_splits_for_cuda_graph default
+    mid = torch.empty(B, Hq, S, D + 1, dtype=torch.float32, device="cuda")
+    out_buf = torch.empty(B, Hq, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(B, Hq, dtype=torch.float32, device="cuda")
+
+    def run():
+        if splitkv is not None:
+            splitkv.ENABLED = new
+        return dec.triton_turboquant_decode_attention(
+            query=q,
+            kv_cache=cache,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            Pi=pit,
+            centroids=centroids,
+            scale=scale,
+            mse_bits=cfg.key_mse_bits,
+            key_packed_size=cfg.key_packed_size,
+            value_quant_bits=cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8,
+            norm_correction=cfg.norm_correction,
+            PiT=pit,
+            mid_o_buf=mid,
+            output_buf=out_buf,
+            lse_buf=lse,
+            max_num_kv_splits=S,
+        )
+
+    return run
+
+
+def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, geometry):
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    B, Hq, D = q.shape
+    mid = torch.empty(B, Hq, 32, D + 1, dtype=torch.float32, device="cuda")
+
+    def run():
+        return splitkv.decode_attention(
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            None if cfg.key_fp8 else pit,
+            centroids,
+            scale,
+            cfg.key_mse_bits,
+            cfg.key_packed_size,
+            cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8,
+            norm_correction=cfg.norm_correction,
+            mid_o_buf=mid,
+            geometry=geometry,
+        )
+
+    return run
+
+
+def guarded(timer, log, what, run):
+    """(first output as fp32, median µs), or (None, None) with the error logged."""
+    if run is None:
+        return None, None
+    try:
+        out = run().float()
+        return out, timer(run)
+    except Exception as e:  # noqa: BLE001 - one failing kernel must not end the run
+        log(f"  {what}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        return None, None
+
+
+def bench_decode(cases, presets, timer, bw, rows, log):
+    for label, hq, hk, D, B, ctx in cases:
+        num_blocks, bt, seq_lens = paged_layout(B, ctx)
+        scale = D**-0.5
+        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
+        bf16_bytes = B * ctx * hk * D * 2 * 2
+        k_cache = torch.randn(
+            num_blocks, PAGE, hk, D, device="cuda", dtype=torch.bfloat16
+        )
+        v_cache = torch.randn_like(k_cache)
+        fa, fa_err = fa_runner(q, k_cache, v_cache, bt, seq_lens, ctx, scale)
+        fa_us = timer(fa) if fa else None
+        if fa_err:
+            log(f"  {label} {B}x{ctx}: {fa_err}")
+        del k_cache, v_cache, fa  # the runner holds the bf16 caches
+        rows.append(
+            dict(
+                kind="decode",
+                case=label,
+                heads=f"{hq}/{hk}x{D}",
+                batch=B,
+                context=ctx,
+                kv="bf16 (FA)",
+                bytes=bf16_bytes,
+                floor_us=bf16_bytes / bw * 1e6,
+                old_us=fa_us,
+                new_us=None,
+                fa_us=fa_us,
+            )
+        )
+        max_slot = tq_config(PRESETS[0], D).slot_size_aligned
+        store = torch.empty(
+            num_blocks * PAGE * hk * max_slot, dtype=torch.uint8, device="cuda"
+        )
+        for preset in presets:
+            cfg = tq_config(preset, D)
+            slot = cfg.slot_size_aligned
+            cache = store[: num_blocks * PAGE * hk * slot].view(
+                num_blocks, PAGE, hk, slot
+            )
+            centroids, midpoints, pit = tq_tables(cfg, D)
+            fill_tq_cache(cache, cfg, hk, D, pit, midpoints)
+            nbytes = B * ctx * hk * slot
+            t0 = time.time()
+            old = tq_decode_runner(
+                q, cache, bt, seq_lens, cfg, centroids, pit, scale, False
+            )
+            new = tq_decode_runner(
+                q, cache, bt, seq_lens, cfg, centroids, pit, scale, True
+            )
+            old_out, old_us = guarded(timer, log, f"old {label} {preset}", old)
+            new_out, new_us = guarded(timer, log, f"new {label} {preset}", new)
+            diff = None
+            if old_out is not None and new_out is not None:
+                diff = (new_out - old_out).abs().max().item() / (
+                    old_out.abs().max().item()
+                )
+            rows.append(
+                dict(
+                    kind="decode",
+                    case=label,
+                    heads=f"{hq}/{hk}x{D}",
+                    batch=B,
+                    context=ctx,
+                    kv=preset.removeprefix("turboquant_"),
+                    bytes=nbytes,
+                    floor_us=nbytes / bw * 1e6,
+                    old_us=old_us,
+                    new_us=new_us,
+                    fa_us=fa_us,
+                    rel_diff_new_old=diff,
+                    wall_s=round(time.time() - t0, 1),
+                )
+            )
+            log(fmt_row(rows[-1], bw))
+        del store
+
+
+def bench_sweep(cases, presets, timer, bw, rows, log):
+    try:
+        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
+    except ImportError:
+        log("  sweep skipped: the installed vLLM has no split-KV kernel (patch 0014)")
+        return
+    for label, hq, hk, D, B, ctx in cases:
+        num_blocks, bt, seq_lens = paged_layout(B, ctx)
+        q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
+        for preset in presets:
+            cfg = tq_config(preset, D)
+            cache = torch.empty(
+                num_blocks,
+                PAGE,
+                hk,
+                cfg.slot_size_aligned,
+                dtype=torch.uint8,
+                device="cuda",
+            )
+            centroids, midpoints, pit = tq_tables(cfg, D)
+            fill_tq_cache(cache, cfg, hk, D, pit, midpoints)
+            nbytes = B * ctx * hk * cfg.slot_size_aligned
+            for geom in SWEEP_GEOMETRIES.get(D, []):
+                run = sweep_runner(
+                    q, cache, bt, seq_lens, cfg, centroids, pit, D**-0.5, geom
+                )
+                try:
+                    us = timer(run)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    log(
+                        f"  sweep {label} {preset} {geom}: "
+                        f"{type(e).__name__}: {str(e)[:100]}"
+                    )
+                    continue
+                rows.append(
+                    dict(
+                        kind="sweep",
+                        case=label,
+                        heads=f"{hq}/{hk}x{D}",
+                        batch=B,
+                        context=ctx,
+                        kv=preset.removeprefix("turboquant_"),
+                        geometry=list(geom),
+                        bytes=nbytes,
+                        new_us=us,
+                        floor_us=nbytes / bw * 1e6,
+                    )
+                )
+                log(
+                    f"  sweep {label} {B}x{ctx} {preset:20s} "
+                    f"BLOCK_N,warps,stages={geom}: "
+                    f"{us:8.1f} us  {nbytes / (us * 1e-6) / bw:5.1%}"
+                )
+            del cache
+
+
+def bench_store(shapes, presets, timer, bw, rows, log):
+    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+    for label, hq, hk, D in shapes:
+        for n in STORE_TOKENS:
+            num_blocks = math.ceil(n / PAGE) * 2 + 1
+            k = torch.randn(n, hk, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            slots = torch.randperm(num_blocks * PAGE, device="cuda")[:n].to(torch.int32)
+            kc = torch.empty(
+                num_blocks, PAGE, hk, D, device="cuda", dtype=torch.bfloat16
+            )
+            vc = torch.empty_like(kc)
+            try:
+                from vllm._custom_ops import reshape_and_cache_flash
+
+                one = torch.ones((), device="cuda")
+                slots64 = slots.long()
+                bf16_us = timer(
+                    functools.partial(
+                        reshape_and_cache_flash, k, v, kc, vc, slots64, "auto", one, one
+                    )
+                )
+            except Exception as e:  # noqa: BLE001
+                log(f"  store bf16 unavailable: {type(e).__name__}: {str(e)[:100]}")
+                bf16_us = None
+            in_bytes = n * hk * D * 2 * 2
+            rows.append(
+                dict(
+                    kind="store",
+                    case=label,
+                    heads=f"{hq}/{hk}x{D}",
+                    tokens=n,
+                    kv="bf16",
+                    bytes=2 * in_bytes,
+                    old_us=bf16_us,
+                )
+            )
+            for preset in presets:
+                cfg = tq_config(preset, D)
+                cache = torch.empty(
+                    num_blocks,
+                    PAGE,
+                    hk,
+                    cfg.slot_size_aligned,
+                    dtype=torch.uint8,
+                    device="cuda",
+                )
+                _, midpoints, pit = tq_tables(cfg, D)
+
+                run = functools.partial(
+                    triton_turboquant_store,
+                    k,
+                    v,
+                    cache,
+                    slots,
+                    pit,
+                    midpoints,
+                    mse_bits=cfg.key_mse_bits,
+                    key_packed_size=cfg.key_packed_size,
+                    value_quant_bits=cfg.effective_value_quant_bits,
+                    key_fp8=cfg.key_fp8,
+                )
+                us = timer(run)
+                nbytes = in_bytes + n * hk * cfg.slot_size_aligned
+                rows.append(
+                    dict(
+                        kind="store",
+                        case=label,
+                        heads=f"{hq}/{hk}x{D}",
+                        tokens=n,
+                        kv=preset.removeprefix("turboquant_"),
+                        bytes=nbytes,
+                        old_us=us,
+                        bf16_us=bf16_us,
+                    )
+                )
+                log(
+                    f"  store {label} {n:5d} tok {preset:20s} {us:8.1f} us "
+                    f"(bf16 {bf16_us and f'{bf16_us:.1f}'} us), "
+                    f"{nbytes / (us * 1e-6) / bw:5.1%} of copy bandwidth"
+                )
+
+
+def pct(nbytes, us, bw):
+    return None if not us else nbytes / (us * 1e-6) / bw
+
+
+def fmt_us(x):
+    return "n/a" if x is None else f"{x:,.1f}"
+
+
+def fmt_pct(x):
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def fmt_row(r, bw):
+    fa = r.get("fa_us")
+    new = r.get("new_us")
+    old = r.get("old_us")
+    ratio = f"{fa / new:.2f}x" if fa and new else "n/a"
+    speedup = f"{old / new:.1f}x" if old and new else "n/a"
+    return (
+        f"  {r['case']:16s} {r['heads']:9s} {r['batch']:3d}x{r['context']:<6d} "
+        f"{r['kv']:10s} {r['bytes'] / 1e6:9.1f} MB floor {fmt_us(r['floor_us']):>8s} | "
+        f"old {fmt_us(old):>9s} ({fmt_pct(pct(r['bytes'], old, bw)):>4s}) | "
+        f"new {fmt_us(new):>9s} ({fmt_pct(pct(r['bytes'], new, bw)):>4s}) | "
+        f"FA {fmt_us(fa):>8s} | FA/new {ratio:>6s} | new vs old {speedup:>6s}"
+        + (
+            f" | diff {r['rel_diff_new_old']:.1e}"
+            if r.get("rel_diff_new_old") is not None
+            else ""
+        )
+    )
+
+
+def markdown(meta, rows, bw):
+    out = [
+        f"# TurboQuant kernel microbenchmark ({meta['time']})",
+        "",
+        (
+            f"Device: {meta['device']}; torch {meta['torch']}, "
+            f"triton {meta['triton']}, vLLM {meta['vllm']}; "
+            f"copy bandwidth measured {bw / 1e9:,.0f} GB/s "
+            "(read+write); medians of CUDA events, L2 flushed before each call."
+        ),
+        "",
+        "## Decode",
+        "",
+        (
+            "| case | batch x context | KV | MB read | floor µs | FA bf16 µs "
+            "| old µs (% BW) "
+            "| new µs (% BW) | FA/new | new vs old | rel. diff new-old |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["kind"] != "decode" or r["kv"].startswith("bf16"):
+            continue
+        fa, new, old = r.get("fa_us"), r.get("new_us"), r.get("old_us")
+        diff = r.get("rel_diff_new_old")
+        out.append(
+            f"| {r['case']} {r['heads']} | {r['batch']} x {r['context']} | {r['kv']} | "
+            f"{r['bytes'] / 1e6:,.1f} | {fmt_us(r['floor_us'])} | {fmt_us(fa)} | "
+            f"{fmt_us(old)} ({fmt_pct(pct(r['bytes'], old, bw))}) | "
+            f"{fmt_us(new)} ({fmt_pct(pct(r['bytes'], new, bw))}) | "
+            f"{f'{fa / new:.2f}x' if fa and new else 'n/a'} | "
+            f"{f'{old / new:.1f}x' if old and new else 'n/a'} | "
+            f"{'n/a' if diff is None else f'{diff:.1e}'} |"
+        )
+    fa_rows = [r for r in rows if r["kind"] == "decode" and r["kv"].startswith("bf16")]
+    out += ["", "FA bf16 (% of copy bandwidth on its own bytes):", ""]
+    for r in fa_rows:
+        out.append(
+            f"- {r['case']} {r['heads']} {r['batch']} x {r['context']}: "
+            f"{fmt_us(r['fa_us'])} µs ({fmt_pct(pct(r['bytes'], r['fa_us'], bw))})"
+        )
+    sweep = [r for r in rows if r["kind"] == "sweep"]
+    if sweep:
+        out += [
+            "",
+            "## New kernel launch geometry (BLOCK_N, warps, stages)",
+            "",
+            "| case | KV | geometry | µs | % BW |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sweep:
+            out.append(
+                f"| {r['case']} {r['batch']} x {r['context']} | {r['kv']} | "
+                f"{tuple(r['geometry'])} | {fmt_us(r['new_us'])} | "
+                f"{fmt_pct(pct(r['bytes'], r['new_us'], bw))} |"
+            )
+    store = [r for r in rows if r["kind"] == "store"]
+    if store:
+        out += [
+            "",
+            "## Store (K/V of N tokens into the cache)",
+            "",
+            "| shape | tokens | KV | µs | bf16 µs | % BW (read K/V + write slots) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in store:
+            if r["kv"] == "bf16":
+                continue
+            out.append(
+                f"| {r['case']} {r['heads']} | {r['tokens']} | {r['kv']} | "
+                f"{fmt_us(r['old_us'])} | {fmt_us(r.get('bf16_us'))} | "
+                f"{fmt_pct(pct(r['bytes'], r['old_us'], bw))} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def run_all(args, timer, bw, rows, log):
+    log(
+        "decode: case, heads, batch x context, KV, bytes read, floor "
+        "| old | new | FA | ratios"
+    )
+    bench_decode(
+        QUICK_CASES if args.quick else CASES, args.presets, timer, bw, rows, log
+    )
+    for r in rows:
+        if r["kv"].startswith("bf16"):
+            log(
+                f"  FA bf16 {r['case']} {r['batch']}x{r['context']}: "
+                f"{fmt_us(r['fa_us'])} us "
+                f"({fmt_pct(pct(r['bytes'], r['fa_us'], bw))} of copy bandwidth)"
+            )
+    if (args.quick or args.sweep) and not args.no_sweep:
+        log("sweep: new kernel launch geometry")
+        bench_sweep(SWEEP_CASES, SWEEP_PRESETS, timer, bw, rows, log)
+    if not args.no_store:
+        log("store")
+        shapes = sorted(
+            {
+                (c[0], c[1], c[2], c[3])
+                for c in (QUICK_CASES if args.quick else CASES)[:4]
+            },
+            key=lambda s: s[3],
+        )
+        bench_store(shapes[:2], args.presets, timer, bw, rows, log)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="4 cases, all presets, small sweep (< 4 min on an H100)",
+    )
+    ap.add_argument("--presets", nargs="*", default=PRESETS)
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="launch-geometry sweep (always on with --quick)",
+    )
+    ap.add_argument("--no-store", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the sweep in --quick")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    import triton
+
+    import vllm
+
+    start = time.time()
+    iters = args.iters or (10 if args.quick else 25)
+    timer = Timer(iters, warmup=2)
+    bw = copy_bandwidth(timer)
+    meta = dict(
+        time=datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        device=torch.cuda.get_device_name(),
+        sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        vllm=vllm.__version__,
+        python=platform.python_version(),
+        quick=args.quick,
+        iters=iters,
+        copy_bandwidth_gbs=bw / 1e9,
+    )
+    print(
+        f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s (read+write); "
+        f"vLLM {meta['vllm']}",
+        flush=True,
+    )
+
+    def log(s):
+        print(s, flush=True)
+
+    rows: list[dict] = []
+    try:
+        run_all(args, timer, bw, rows, log)
+    except Exception as e:  # noqa: BLE001 - keep what was measured
+        log(f"aborted: {type(e).__name__}: {e}")
+        meta["aborted"] = f"{type(e).__name__}: {e}"
+    meta["wall_s"] = round(time.time() - start, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out / f"kernels-{stamp}.json").write_text(
+        json.dumps(dict(meta=meta, rows=rows), indent=1)
+    )
+    (out / f"kernels-{stamp}.md").write_text(markdown(meta, rows, bw))
+    print(f"wrote {out}/kernels-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

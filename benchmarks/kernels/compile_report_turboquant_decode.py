@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Registers, spills and shared memory of the split-KV TurboQuant decode kernel.
+
+Compiles stage 1 of vllm/v1/attention/ops/triton_turboquant_decode_splitkv.py
+for a GPU architecture without a GPU (Triton's compiler plus its bundled
+``ptxas -v``), per preset, head_dim and launch geometry, and prints how many
+programs fit on one SM. A cheap first filter for launch geometries before the
+microbenchmark measures them:
+
+    CUDA_VISIBLE_DEVICES= \\
+    python benchmarks/kernels/compile_report_turboquant_decode.py \\
+        [--arch 90] [--head-dims 128 256] [--geometries 16,2,1 32,4,2]
+
+(about 5 s per compile on one core).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+PRESETS = [
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
+GQA = {64: 4, 128: 4, 256: 6, 512: 8}
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+
+
+def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+    fn = splitkv._tq_splitkv_stage1
+    block_n, num_warps, num_stages = geometry
+    q_type = query_dtype if cfg.key_fp8 else "fp32"
+    pointers = dict(
+        Q_ptr=f"*{q_type}",
+        KV_ptr="*u8",
+        KV16_ptr="*i16",
+        Block_table_ptr="*i32",
+        Seq_lens_ptr="*i32",
+        Centroids_ptr="*fp32",
+        Out_ptr=f"*{query_dtype}",
+        Mid_ptr="*fp32",
+        qk_scale="fp32",
+    )
+    constants = dict(
+        HEAD_DIM=head_dim,
+        PAGE=16,
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        KEY_FP8=cfg.key_fp8,
+        Q_LOWP=cfg.key_fp8 and query_dtype != "fp32",
+        MSE_BITS=0 if cfg.key_fp8 else cfg.key_mse_bits,
+        MSE_BYTES=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 8,
+        KPS=cfg.key_packed_size,
+        VQB=cfg.value_quant_bits,
+        VAL_DATA_BYTES=head_dim * cfg.value_quant_bits // 8,
+        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
+        FP8_E4B15=0,
+        WORD16=True,
+        KEY_CHUNK=min(head_dim, getattr(splitkv, "MSE_KEY_CHUNK", head_dim)),
+    )
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs=constants),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        info = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        ).stderr
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    shared = kernel.metadata.shared
+    per_sm = min(
+        REGISTERS_PER_SM // (registers * 32 * num_warps),
+        SHARED_PER_SM // max(shared, 1),
+    )
+    return registers, spills, shared, per_sm
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--presets", nargs="*", default=PRESETS)
+    ap.add_argument("--head-dims", nargs="*", type=int, default=[128, 256, 512])
+    ap.add_argument(
+        "--geometries",
+        nargs="*",
+        default=None,
+        help="BLOCK_N,warps,stages ... (default: the kernel's own per head_dim)",
+    )
+    args = ap.parse_args()
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    print("preset               head_dim geometry      regs  spill  shared  progs/SM")
+    for preset in args.presets:
+        fp8 = preset == "turboquant_k8v4"
+        for head_dim in args.head_dims:
+            geometries = (
+                [tuple(int(x) for x in g.split(",")) for g in args.geometries]
+                if args.geometries
+                else [splitkv.GEOMETRY[(head_dim, fp8)]]
+            )
+            for geometry in geometries:
+                try:
+                    regs, spills, shared, per_sm = compile_stage1(
+                        preset, head_dim, GQA[head_dim], geometry, args.arch
+                    )
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{preset:20s} {head_dim:8d} {geometry}: {e}")
+                    continue
+                print(
+                    f"{preset:20s} {head_dim:8d} {str(geometry):12s} {regs:5d} "
+                    f"{spills:6d} {shared // 1024:5d}K {per_sm:9d}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
