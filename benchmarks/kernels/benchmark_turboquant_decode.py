@@ -10,7 +10,7 @@ For every case (query/KV heads x head_dim, batch x context) and TurboQuant
 preset it prints the bytes the decode kernel must read, the floor (bytes over
 the copy bandwidth measured in the same run), the median time (CUDA events,
 L2 flushed before every timed call) of FlashAttention bf16, of 0.20.2's kernel
-(``old``) and of patch 0014's kernel (``new``, through the same entry point),
+(``old``) and of the withdrawn patch 0015's kernel (``new``, through the same entry point),
 the fraction of copy bandwidth each reaches and the speed ratio to FA. Then
 the store kernel (a decode step and a prefill chunk) against bf16's
 ``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
@@ -359,7 +359,7 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
     try:
         from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
     except ImportError:
-        log("  sweep skipped: the installed vLLM has no split-KV kernel (patch 0014)")
+        log("  sweep skipped: the installed vLLM has no split-KV kernel (patch 0015, withdrawn in release 5)")
         return
     for label, hq, hk, D, B, ctx in cases:
         num_blocks, bt, seq_lens = paged_layout(B, ctx)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from tests.models.tiny_hybrids import builders
 from tests.models.tiny_hybrids.shapes import write_full_size_config
-
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.transformers_utils.config import get_config, get_hf_text_config

@@ -112,7 +112,7 @@ def test_turboquant_layer_at_head_dim_512(preset, triton_device, monkeypatch):
         )
     cfg = impl.tq_config
     layer = types.SimpleNamespace(
-        _tq_centroids=get_centroids(HEAD_DIM, cfg.key_mse_bits)
+        _tq_centroids=get_centroids(HEAD_DIM, cfg.key_mse_bits).to(device)
     )
     total = FIRST + CONTINUATION + 1
     num_blocks = math.ceil(total / BLOCK_SIZE) + 1

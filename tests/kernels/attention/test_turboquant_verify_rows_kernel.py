@@ -16,11 +16,15 @@ import math
 import pytest
 import torch
 
+from tests.v1.attention.test_turboquant_verify_rows import (
+    Runner,
+    _vllm_config,
+    no_host_sync,
+)
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.triton_utils import triton
 from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends import turboquant_attn
 from vllm.v1.attention.backends.turboquant_attn import (
     TurboQuantAttentionImpl,
     TurboQuantMetadata,
@@ -32,12 +36,6 @@ from vllm.v1.attention.ops.triton_turboquant_decode import (
     _use_fp8_e4b15,
 )
 
-from tests.v1.attention.test_turboquant_verify_rows import (
-    Runner,
-    _vllm_config,
-    no_host_sync,
-)
-
 HQ, HK, D, BLOCK, NUM_BLOCKS, K = 4, 2, 64, 16, 8, 3
 SEQ_LENS = [37, 21]  # cached context + the 1 + K new tokens of each request
 TABLES = [[3, 1, 6, 0], [5, 2, 0, 0]]
@@ -46,12 +44,17 @@ TABLES = [[3, 1, 6, 0], [5, 2, 0, 0]]
 def _setup(preset: str, device: str):
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(
-            num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK,
+            num_heads=HQ,
+            head_size=D,
+            scale=D**-0.5,
+            num_kv_heads=HK,
             kv_cache_dtype=preset,
         )
     impl.max_num_kv_splits = 4  # few programs under the interpreter
     layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(D, impl.tq_config.centroid_bits).float().to(device)
+    layer._tq_centroids = (
+        get_centroids(D, impl.tq_config.centroid_bits).float().to(device)
+    )
     impl._ensure_on_device(layer, torch.device(device))
     slot = impl.tq_config.slot_size_aligned
     cache = torch.zeros(NUM_BLOCKS, BLOCK, HK, slot, dtype=torch.uint8, device=device)
@@ -69,8 +72,9 @@ def _fill_cache(impl, layer, cache, device):
     n = len(slots)
     k = torch.randn(n, HK, D, generator=g).to(device)
     v = torch.randn(n, HK, D, generator=g).to(device)
-    impl._store_kv(k, v, cache, torch.tensor(slots, dtype=torch.int64, device=device),
-                   layer)
+    impl._store_kv(
+        k, v, cache, torch.tensor(slots, dtype=torch.int64, device=device), layer
+    )
 
 
 def _cam(q_lens, seq_lens, device, tables=TABLES):
@@ -105,16 +109,34 @@ def _dequantized(impl, layer, cache, req: int, length: int):
     bt = torch.tensor([TABLES[req]], dtype=torch.int32, device=device)
     cfg = impl.tq_config
     _tq_full_dequant_kv[(alloc, HK)](
-        cache, bt, layer._tq_centroids, k_buf, v_buf,
-        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
-        v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        cache.stride(0), cache.stride(1), cache.stride(2), bt.stride(0),
-        HEAD_DIM=D, BLOCK_SIZE=BLOCK, NUM_KV_HEADS=HK, MSE_BYTES=impl._mse_bytes,
-        KPS=cfg.key_packed_size, VQB=cfg.effective_value_quant_bits,
-        VAL_DATA_BYTES=impl._val_data_bytes, MSE_BITS=cfg.key_mse_bits,
-        KEY_FP8=1 if cfg.key_fp8 else 0, BLOCK_D=triton.next_power_of_2(D),
+        cache,
+        bt,
+        layer._tq_centroids,
+        k_buf,
+        v_buf,
+        k_buf.stride(0),
+        k_buf.stride(1),
+        k_buf.stride(2),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        v_buf.stride(2),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        bt.stride(0),
+        HEAD_DIM=D,
+        BLOCK_SIZE=BLOCK,
+        NUM_KV_HEADS=HK,
+        MSE_BYTES=impl._mse_bytes,
+        KPS=cfg.key_packed_size,
+        VQB=cfg.effective_value_quant_bits,
+        VAL_DATA_BYTES=impl._val_data_bytes,
+        MSE_BITS=cfg.key_mse_bits,
+        KEY_FP8=1 if cfg.key_fp8 else 0,
+        BLOCK_D=triton.next_power_of_2(D),
         NORM_CORRECTION=1 if cfg.norm_correction else 0,
-        FP8_E4B15=_use_fp8_e4b15(0), num_warps=4,
+        FP8_E4B15=_use_fp8_e4b15(0),
+        num_warps=4,
     )
     k = k_buf[0, :, :length].double()
     if not cfg.key_fp8:
@@ -138,7 +160,9 @@ def test_verify_rows_equal_sequential_decodes_and_reference(
     # the builder's buffers are rewritten in place for the real step, and the
     # forward decided at capture runs without reading anything on the host.
     runner = Runner(device=device, width=len(TABLES[0]))
-    builder = TurboQuantMetadataBuilder(None, ["l"], _vllm_config(K), torch.device(device))
+    builder = TurboQuantMetadataBuilder(
+        None, ["l"], _vllm_config(K), torch.device(device)
+    )
     captured = builder.build_for_cudagraph_capture(
         runner.step(q_lens, q_lens, tables=TABLES, max_seq_len=4096)
     )
@@ -147,7 +171,9 @@ def test_verify_rows_equal_sequential_decodes_and_reference(
         verify = _forward(impl, layer, cache, captured, q)
 
     # The same tokens as plain single-token decode steps (no speculation).
-    plain = TurboQuantMetadataBuilder(None, ["l"], _vllm_config(None), torch.device(device))
+    plain = TurboQuantMetadataBuilder(
+        None, ["l"], _vllm_config(None), torch.device(device)
+    )
     rows, i = [], 0
     for r, s in enumerate(SEQ_LENS):
         for j in range(1 + K):
@@ -182,11 +208,19 @@ def test_reference_catches_rows_that_are_not_causal(triton_device):
     device = triton_device
     impl, layer, cache = _setup("turboquant_4bit_nc", device)
     _fill_cache(impl, layer, cache, device)
-    builder = TurboQuantMetadataBuilder(None, ["l"], _vllm_config(K), torch.device(device))
+    builder = TurboQuantMetadataBuilder(
+        None, ["l"], _vllm_config(K), torch.device(device)
+    )
     meta: TurboQuantMetadata = builder.build(0, _cam([1 + K], SEQ_LENS[:1], device))
-    q = torch.randn(1 + K, HQ * D, generator=torch.Generator().manual_seed(1)).to(device)
-    assert _max_reference_error(impl, layer, cache, q,
-                                _forward(impl, layer, cache, meta, q)) < 2e-3
+    q = torch.randn(1 + K, HQ * D, generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
+    assert (
+        _max_reference_error(
+            impl, layer, cache, q, _forward(impl, layer, cache, meta, q)
+        )
+        < 2e-3
+    )
     meta.decode_seq_lens.fill_(SEQ_LENS[0])
     bad = _forward(impl, layer, cache, meta, q)
     assert _max_reference_error(impl, layer, cache, q, bad) > 2e-2

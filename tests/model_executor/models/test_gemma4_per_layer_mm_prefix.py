@@ -21,8 +21,8 @@ import types
 
 import pytest
 import torch
-from tests.models.tiny_hybrids import builders
 
+from tests.models.tiny_hybrids import builders
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 

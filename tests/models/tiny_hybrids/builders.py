@@ -330,7 +330,7 @@ def gemma4_mm(
 
     Note: transformers >= 5.15 turns ``global_head_dim`` /
     ``num_global_key_value_heads`` into a heterogeneous ``per_layer_config``,
-    which vLLM 0.20.2 cannot read and patch 0009 can (see test_tiny_configs.py).
+    which vLLM 0.20.2 cannot read and patch 0010 can (see test_tiny_configs.py).
     """
     if layer_types is None:
         layer_types = interval_layer_types(

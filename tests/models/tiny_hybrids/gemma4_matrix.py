@@ -14,7 +14,7 @@ Cases, each engine in its own process (``--jobs`` at a time):
   auto      bf16 KV, for comparison
   fa2/fa3   (--fa3) a tiny dense Qwen3 with turboquant_4bit_nc and
             flash_attn_version 2 / 3: does FA3 work with TurboQuant layers
-            present (patch 0012 keeps FA2 as TurboQuant's default until it does)
+            present (patch 0013 keeps FA2 as TurboQuant's default until it does)
   serve     (--serve) `vllm serve` of the tq-flag configuration, one image+text
             chat request through the OpenAI client
 Each engine case generates for a text-only and an image+text prompt and

@@ -122,6 +122,8 @@ def test_shared_head_draft(built):
 def _load_into_vllm(path, engine_kwargs, mtp, init_file):
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
         init_distributed_environment,
         initialize_model_parallel,
         model_parallel_is_initialized,
@@ -141,19 +143,27 @@ def _load_into_vllm(path, engine_kwargs, mtp, init_file):
     ).create_engine_config()
     missing = {}
     with set_current_vllm_config(cfg):
-        if not model_parallel_is_initialized():
+        ours = not model_parallel_is_initialized()
+        if ours:
             init_distributed_environment(1, 0, f"file://{init_file}", 0, "gloo")
             initialize_model_parallel(1, 1)
-        loader = get_model_loader(cfg.load_config)
-        configs = [("main", cfg.model_config)]
-        if mtp:
-            configs.append(("mtp", cfg.speculative_config.draft_model_config))
-        for which, model_config in configs:
-            with torch.device("meta"):
-                model = initialize_model(vllm_config=cfg, model_config=model_config)
-            loaded = model.load_weights(loader.get_all_weights(cfg.model_config, model))
-            params = {n for n, _ in model.named_parameters()}
-            missing[which] = sorted(params - set(loaded))
+        try:
+            loader = get_model_loader(cfg.load_config)
+            configs = [("main", cfg.model_config)]
+            if mtp:
+                configs.append(("mtp", cfg.speculative_config.draft_model_config))
+            for which, model_config in configs:
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=cfg, model_config=model_config)
+                weights = loader.get_all_weights(cfg.model_config, model)
+                loaded = model.load_weights(weights)
+                params = {n for n, _ in model.named_parameters()}
+                missing[which] = sorted(params - set(loaded))
+        finally:
+            # Later tests (Gemma 4 layers) initialize their own groups.
+            if ours:
+                destroy_model_parallel()
+                destroy_distributed_environment()
     return missing
 
 

@@ -17,7 +17,7 @@ Three depths, so that a failure says how far vLLM got:
 Gemma 4 with transformers >= 5.15: ``Gemma4TextConfig`` turns
 ``global_head_dim`` and ``num_global_key_value_heads`` into a heterogeneous
 ``per_layer_config`` and reading ``head_dim`` on the text config raises
-``AmbiguousGlobalPerLayerAttributeError``; vLLM 0.20.2 fails on it, patch 0009
+``AmbiguousGlobalPerLayerAttributeError``; vLLM 0.20.2 fails on it, patch 0010
 reads both layouts. CI runs this module under the test env's transformers
 (5.14.1) and again under 5.17.0 and 5.23.0 (scripts/test-transformers.sh).
 """

@@ -67,7 +67,6 @@ def test_windows_are_gathered_from_the_builders_group(flash_attn):
 )
 def test_turboquant_keeps_an_explicit_flash_attn_version(tmp_path, requested, expected):
     from tests.models.tiny_hybrids import builders
-
     from vllm.engine.arg_utils import EngineArgs
 
     path = builders.qwen3_dense(tmp_path / "qwen3")

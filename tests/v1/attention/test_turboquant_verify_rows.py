@@ -64,11 +64,20 @@ class Runner:
         self.qsl_cpu = torch.zeros(max_reqs + 1, dtype=torch.int32)
         self.qsl = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(max_reqs, width, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(
+            max_reqs, width, dtype=torch.int32, device=device
+        )
         self.slot_mapping = torch.zeros(64, dtype=torch.int64, device=device)
 
-    def step(self, q_lens, seq_lens, num_tokens=None, prefilling=None, tables=None,
-             max_seq_len=None):
+    def step(
+        self,
+        q_lens,
+        seq_lens,
+        num_tokens=None,
+        prefilling=None,
+        tables=None,
+        max_seq_len=None,
+    ):
         n = len(q_lens)
         cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
         self.qsl_cpu[: n + 1] = cu
@@ -77,8 +86,9 @@ class Runner:
         self.seq_lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
         self.seq_lens[n:] = 0
         width = self.block_table.shape[1]
-        for i, row in enumerate(tables or [[10 * (i + 1) + j for j in range(width)]
-                                           for i in range(n)]):
+        for i, row in enumerate(
+            tables or [[10 * (i + 1) + j for j in range(width)] for i in range(n)]
+        ):
             self.block_table[i] = torch.tensor(row, dtype=torch.int32)
         num_tokens = num_tokens or int(cu[-1])
         return CommonAttentionMetadata(
@@ -101,7 +111,9 @@ def no_host_sync(monkeypatch):
     would read capture-time values into a graph that is replayed later."""
 
     def refuse(self, *a, **k):
-        raise AssertionError("host sync (.tolist()/.item()) in the captured attention path")
+        raise AssertionError(
+            "host sync (.tolist()/.item()) in the captured attention path"
+        )
 
     with monkeypatch.context() as m:
         m.setattr(torch.Tensor, "tolist", refuse)
@@ -151,11 +163,17 @@ class Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(turboquant_attn, "triton_turboquant_decode_attention", rec.decode)
-    monkeypatch.setattr(turboquant_attn, "_HAS_FLASH_ATTN", True)
-    monkeypatch.setattr(turboquant_attn, "flash_attn_varlen_func", rec.flash, raising=False)
     monkeypatch.setattr(
-        TurboQuantAttentionImpl, "_flash_attn_varlen", lambda self, **kw: rec.flash(**kw)
+        turboquant_attn, "triton_turboquant_decode_attention", rec.decode
+    )
+    monkeypatch.setattr(turboquant_attn, "_HAS_FLASH_ATTN", True)
+    monkeypatch.setattr(
+        turboquant_attn, "flash_attn_varlen_func", rec.flash, raising=False
+    )
+    monkeypatch.setattr(
+        TurboQuantAttentionImpl,
+        "_flash_attn_varlen",
+        lambda self, **kw: rec.flash(**kw),
     )
     return rec
 
@@ -165,7 +183,10 @@ def _impl():
 
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(
-            num_heads=HQ, head_size=D, scale=D**-0.5, num_kv_heads=HK,
+            num_heads=HQ,
+            head_size=D,
+            scale=D**-0.5,
+            num_kv_heads=HK,
             kv_cache_dtype="turboquant_4bit_nc",
         )
     layer = torch.nn.Module()
@@ -190,8 +211,15 @@ def test_capture_of_a_uniform_verify_batch_reads_the_cache_for_every_row(
     kv = torch.randn(n, HK * D)
 
     with no_host_sync(monkeypatch):
-        impl.forward(layer, q, kv, kv, torch.zeros(1, BLOCK, HK, 8, dtype=torch.uint8),
-                     capture_meta, output=torch.empty(n, HQ * D))
+        impl.forward(
+            layer,
+            q,
+            kv,
+            kv,
+            torch.zeros(1, BLOCK, HK, 8, dtype=torch.uint8),
+            capture_meta,
+            output=torch.empty(n, HQ * D),
+        )
 
     assert recorder.flash_calls == 0, "captured a prefill over the new tokens only"
     assert len(recorder.decode_calls) == 1
@@ -209,8 +237,12 @@ def test_padded_graph_batch_and_stale_prefilling_slots():
     builder = _builder(num_spec=3)
     # Two real requests, two zero-length padding requests, tokens padded to 16;
     # the padding slots hold a stale is_prefilling=True from earlier requests.
-    cam = Runner().step([4, 4, 0, 0], [50, 60, 0, 0], num_tokens=16,
-                        prefilling=[False, False, True, True])
+    cam = Runner().step(
+        [4, 4, 0, 0],
+        [50, 60, 0, 0],
+        num_tokens=16,
+        prefilling=[False, False, True, True],
+    )
     meta = builder.build(0, cam)
     assert not meta.is_prefill and meta.num_decode_tokens == 16
     assert meta.decode_seq_lens.tolist() == _expected_rows([4, 4], [50, 60]) + [0] * 8
@@ -231,8 +263,15 @@ def test_mixed_eager_batch_computes_both_parts(recorder):
     meta = builder.build(0, Runner().step([4, 6], [30, 6], prefilling=[False, True]))
     impl, layer = _impl()
     q, kv = torch.randn(10, HQ * D), torch.randn(10, HK * D)
-    impl.forward(layer, q, kv, kv, torch.zeros(1, BLOCK, HK, 8, dtype=torch.uint8),
-                 meta, output=torch.empty(10, HQ * D))
+    impl.forward(
+        layer,
+        q,
+        kv,
+        kv,
+        torch.zeros(1, BLOCK, HK, 8, dtype=torch.uint8),
+        meta,
+        output=torch.empty(10, HQ * D),
+    )
     assert recorder.decode_calls[0]["rows"] == 4
     assert recorder.decode_calls[0]["seq_lens"].tolist() == [27, 28, 29, 30]
     assert recorder.flash_calls == 1  # the 6-token first chunk, on raw K/V

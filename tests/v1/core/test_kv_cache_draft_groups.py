@@ -19,15 +19,28 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 pytestmark = pytest.mark.cpu_test
 
 
+def _spec_types():
+    # Equal pages everywhere (16 KiB): main full attention, main sliding window,
+    # draft full attention (block 32).
+    full = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
+    sliding = SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float32,
+        sliding_window=128,
+    )
+    draft = FullAttentionSpec(
+        block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32
+    )
+    return full, sliding, draft
+
+
 def _specs(num_draft_layers: int) -> dict:
-    # Equal pages everywhere (16 KiB), three spec types: main full attention
-    # (2 layers), main sliding window (6), draft full attention (block 32).
-    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                             dtype=torch.float32)
-    sliding = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                dtype=torch.float32, sliding_window=128)
-    draft = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64,
-                              dtype=torch.float32)
+    # Main: 2 full + 6 sliding layers; the draft is a type of its own.
+    full, sliding, draft = _spec_types()
     specs = {}
     for i in range(8):
         specs[f"model.layers.{i}.self_attn.attn"] = full if i % 4 == 3 else sliding
@@ -37,8 +50,12 @@ def _specs(num_draft_layers: int) -> dict:
 
 
 def _groups_of(groups, prefix: str) -> set[int]:
-    return {i for i, g in enumerate(groups)
-            for name in g.layer_names if name.startswith(prefix)}
+    return {
+        i
+        for i, g in enumerate(groups)
+        for name in g.layer_names
+        if name.startswith(prefix)
+    }
 
 
 @pytest.mark.parametrize("num_draft_layers", [4, 6])
@@ -55,3 +72,15 @@ def test_draft_that_fits_the_group_size_changes_nothing():
     groups = get_kv_cache_groups(VllmConfig(), _specs(2))
     assert [len(g.layer_names) for g in groups] == [2, 2, 2, 2, 2]
     assert len(_groups_of(groups, "draft_model.")) == 1
+
+
+def test_one_mtp_layer_sharing_the_main_layers_spec_changes_nothing():
+    """An MTP layer with the main attention's spec joins that type; a single
+    drafter layer is always in one group, so the group size stays the smallest
+    type's (2 sliding layers here) instead of growing to the 7-layer type."""
+    full, sliding, _ = _spec_types()
+    specs = {f"model.layers.{i}.self_attn.attn": full for i in range(6)}
+    specs |= {f"model.layers.{i}.self_attn.attn": sliding for i in (6, 7)}
+    specs["mtp.layers.0.self_attn.attn"] = full
+    groups = get_kv_cache_groups(VllmConfig(), specs)
+    assert max(len(g.layer_names) for g in groups) == 2

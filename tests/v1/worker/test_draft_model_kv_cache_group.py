@@ -40,7 +40,9 @@ def _runner(num_groups: int, drafter) -> GPUModelRunner:
     runner = GPUModelRunner.__new__(GPUModelRunner)
     spec = SimpleNamespace()  # not an EncoderOnlyAttentionSpec
     runner.kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec) for _ in range(num_groups)],
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=spec) for _ in range(num_groups)
+        ],
         has_mamba_layers=False,
     )
     runner.attn_groups = [[] for _ in range(num_groups)]
@@ -50,8 +52,9 @@ def _runner(num_groups: int, drafter) -> GPUModelRunner:
         num_prompt_tokens_cpu_tensor=torch.tensor([5, 5], dtype=torch.int32),
         # Group g's block table holds 100 * g + j.
         block_table=[
-            _BlockTable(torch.arange(width, dtype=torch.int32).repeat(num_reqs, 1)
-                        + 100 * g)
+            _BlockTable(
+                torch.arange(width, dtype=torch.int32).repeat(num_reqs, 1) + 100 * g
+            )
             for g in range(num_groups)
         ],
     )
@@ -77,7 +80,10 @@ def test_draft_model_gets_its_own_kv_cache_group():
     runner = _runner(3, drafter)
     slot_mappings = {g: torch.full((2,), 1000 * g, dtype=torch.int64) for g in range(3)}
     _, spec_cam = GPUModelRunner._build_attention_metadata(
-        runner, num_tokens=2, num_reqs=2, max_query_len=1,
+        runner,
+        num_tokens=2,
+        num_reqs=2,
+        max_query_len=1,
         slot_mappings=slot_mappings,
     )
     assert spec_cam.block_table_tensor[0, 0].item() == 200

@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.turboquant.layer_policy import (
     is_draft_layer,
 )
+from vllm.utils.math_utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -36,26 +37,36 @@ def _num_main_layers() -> int | None:
     return config.model_config.hf_text_config.num_hidden_layers
 
 
+def _drafters_split(layers: list[str], group_size: int, num_main: int | None) -> bool:
+    # Upstream assigns layers[i::num_groups] to group i.
+    num_groups = cdiv(len(layers), group_size)
+    return (
+        len(
+            {
+                i % num_groups
+                for i, n in enumerate(layers)
+                if is_draft_layer(n, num_main)
+            }
+        )
+        > 1
+    )
+
+
 def group_size_keeping_drafters_together(
     layers_by_type: Iterable[list[str]], group_size: int
 ) -> int:
-    """The smallest group size >= ``group_size`` under which every spec type
-    that holds drafter layers fits one group."""
+    """The smallest group size >= ``group_size`` under which no spec type's
+    drafter layers are spread over two groups."""
     num_main = _num_main_layers()
-    needed = max(
-        (
-            len(layers)
-            for layers in layers_by_type
-            if any(is_draft_layer(name, num_main) for name in layers)
-        ),
-        default=0,
-    )
-    if needed <= group_size:
+    needed = group_size
+    for layers in layers_by_type:
+        while _drafters_split(layers, needed, num_main):
+            needed += 1
+    if needed == group_size:
         return group_size
     logger.info(
-        "Keeping the %d drafter attention layers in one KV cache group: group "
-        "size %d instead of %d (smaller layer types are padded).",
-        needed,
+        "Keeping the drafter attention layers in one KV cache group: group size "
+        "%d instead of %d (smaller layer types are padded).",
         needed,
         group_size,
     )
