@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tests.v1.attention.test_mamba_spec_rows import _Batch, _runner_stub, _sched
 from vllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -292,37 +293,10 @@ def test_zero_draft_step_after_accepted_drafts_matches_reference(
     rig.check(3, [0, 1], [4, 4], [4, 4], inputs)
 
 
-class _Batch:
-    """The slice of ``InputBatch`` that ``_may_reorder_batch`` reads."""
-
-    def __init__(self, rows: list[tuple[str, int, int]]):
-        self.req_ids = [r[0] for r in rows]
-        self.num_computed_tokens_cpu = np.array([r[1] for r in rows], dtype=np.int32)
-        self.num_prompt_tokens = np.array([r[2] for r in rows], dtype=np.int32)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    def swap_states(self, i: int, j: int) -> None:
-        for arr in (self.req_ids, self.num_computed_tokens_cpu, self.num_prompt_tokens):
-            arr[i], arr[j] = arr[j], arr[i]
-
-
 def _runner_rows(batch: _Batch, scheduled: dict[str, int], drafts: dict[str, list]):
     """Order and per-row draft counts as ``GPUModelRunner`` produces them."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    runner = GPUModelRunner.__new__(GPUModelRunner)
-    runner.kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[object()], has_mamba_layers=True
-    )
-    runner.reorder_batch_threshold = 1 + NUM_SPEC
-    runner.speculative_config = SimpleNamespace(num_speculative_tokens=NUM_SPEC)
-    runner.input_batch = batch
-    sched = SimpleNamespace(
-        num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=drafts
-    )
+    runner = _runner_stub(batch)
+    sched = _sched(scheduled, drafts)
     runner._may_reorder_batch(sched)
     num_scheduled = np.array([scheduled[r] for r in batch.req_ids])
     num_drafts = np.array([len(drafts.get(r, ())) for r in batch.req_ids])
