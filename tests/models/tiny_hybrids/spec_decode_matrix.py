@@ -71,6 +71,8 @@ class MatrixModel:
     # Checkpoint of the draft for "draft3": another key, or "self" for an
     # identical-weights copy of the target (acceptance should be ~100 %).
     draft: str | None = None
+    # vLLM dummy weights (load_format="dummy") on the checkpoint's config.
+    dummy: bool = False
 
 
 MODELS: dict[str, MatrixModel] = {
@@ -81,6 +83,17 @@ MODELS: dict[str, MatrixModel] = {
     "qwen3_dense": MatrixModel("qwen3_dense", ("ngram3", "draft3"), draft="self"),
     "hybrid_draft": MatrixModel("qwen3_next", ("draft3",), draft="qwen3_dense_draft"),
 }
+# Only in --verify-precision: dense Qwen3 config, dummy weights, a draft of
+# the identical config.
+PRECISION_MODELS: dict[str, MatrixModel] = {
+    "dummy_dense": MatrixModel(
+        "dummy_dense", ("draft3",), draft="dummy_dense_draft", dummy=True
+    ),
+}
+
+
+def matrix_model(name: str) -> MatrixModel:
+    return MODELS[name] if name in MODELS else PRECISION_MODELS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +109,7 @@ class Cell:
 
     def reference(self) -> "Cell":
         # hybrid_draft's target is qwen3_next: share its reference engine.
-        return Cell(MODELS[self.model].checkpoint, self.kv, "none", self.cg)
+        return Cell(matrix_model(self.model).checkpoint, self.kv, "none", self.cg)
 
 
 def full_cells() -> list[Cell]:
@@ -275,13 +288,66 @@ FAULTS: dict[str, list[tuple[str, str, str, Callable]]] = {
 }
 
 
+def _verify_raw_own_kv(orig: Callable) -> Callable:
+    """Verifier-precision variant (issue 8 item 3), not a fault: after the
+    real forward, every verify row (1 < len <= 1+k, with cached context) is
+    recomputed over the cached context read back quantized plus the row's
+    OWN new K/V raw, with the backend's own continuation-prefill path
+    (dequantize the cache, FlashAttention over it and the raw chunk). The
+    shipped path reads the new K/V back quantized too, as a plain decode does.
+    Host reads: eager engines only (cudagraph_mode NONE)."""
+
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output=None, *a, **kw
+    ):
+        output = orig(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw
+        )
+        if attn_metadata is None or key is None:
+            return output
+        n = attn_metadata.num_actual_tokens
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        qsl = attn_metadata.query_start_loc[: num_reqs + 1].tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        flat = output.view(output.shape[0], hq * d)
+        for i, (s, e) in enumerate(zip(qsl, qsl[1:])):
+            if not 1 < e - s <= _max_verify_len() or seq_lens[i] <= e - s or e > n:
+                continue
+            out = self._continuation_prefill(
+                layer,
+                query[s:e].view(e - s, hq, d),
+                key[s:e].view(e - s, hk, d),
+                value[s:e].view(e - s, hk, d),
+                kv_cache,
+                attn_metadata.block_table[i : i + 1],
+                seq_lens[i] - (e - s),
+                seq_lens[i],
+                layer._tq_Pi,
+                layer._tq_centroids,
+            )
+            flat[s:e] = out.reshape(e - s, hq * d).to(flat.dtype)
+        return output
+
+    return forward
+
+
+# Engine variants that are measurements, not faults (not --inject choices).
+VARIANTS: dict[str, list[tuple[str, str, str, Callable]]] = {
+    "verify-raw-own-kv": [
+        (_TQ, "TurboQuantAttentionImpl", "forward", _verify_raw_own_kv),
+    ],
+}
+
+
 def apply_fault(name: str) -> list[str]:
     import importlib
 
-    if name not in FAULTS:
-        raise SystemExit(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+    hooks = {**FAULTS, **VARIANTS}
+    if name not in hooks:
+        raise SystemExit(f"unknown fault {name!r}; known: {sorted(hooks)}")
     done = []
-    for module, cls_name, attr, wrap in FAULTS[name]:
+    for module, cls_name, attr, wrap in hooks[name]:
         cls = getattr(importlib.import_module(module), cls_name, None)
         if cls is None or attr not in vars(cls):
             raise RuntimeError(
@@ -298,6 +364,9 @@ def apply_fault(name: str) -> list[str]:
 # --------------------------------------------------------------------------
 
 MODULE = "tests.models.tiny_hybrids.spec_decode_matrix"
+# Whole full-matrix run (132 engines) inside one 10-minute device call,
+# with room for the checkpoint build, the table and fetching OUTDIR.
+FULL_DEADLINE = 510
 MAX_NUM_SEQS = 16
 NEW_TOKENS = 64
 
@@ -307,7 +376,8 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     from .checkpoints import MODELS as CKPTS
 
-    mm = MODELS[cell.model]
+    mm = matrix_model(cell.model)
+    extra = CKPTS[mm.checkpoint].engine_kwargs if mm.checkpoint in CKPTS else {}
     kwargs: dict[str, Any] = dict(
         model=ckpts[mm.checkpoint],
         skip_tokenizer_init=True,
@@ -318,8 +388,10 @@ def engine_kwargs(
         kv_cache_dtype=cell.kv,
         seed=0,
         disable_log_stats=False,
-        **CKPTS[mm.checkpoint].engine_kwargs,
+        **extra,
     )
+    if mm.dummy:
+        kwargs["load_format"] = "dummy"
     if max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if cell.cg == "NONE":
@@ -581,12 +653,25 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def child_env(
-    outdir: Path, cache: Path | None, num_spec: int, in_process: bool = True
+    outdir: Path,
+    cache: Path | None,
+    num_spec: int,
+    in_process: bool = True,
+    shared_compile: bool = False,
 ) -> dict[str, str]:
     env = dict(os.environ)
     cache = cache or outdir / "cache"
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     env.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    if shared_compile:
+        # vLLM's AOT-compile path points Inductor at a cache directory per
+        # config hash (every cell has its own), so 88 compiled engines would
+        # each compile the same few graphs. Without it Inductor keeps the
+        # directory set here: one FX-graph cache for all engines, and an
+        # engine whose model graphs another engine compiled loads them.
+        # (Compiled code is the same either way; this only moves caches.)
+        env["VLLM_USE_AOT_COMPILE"] = "0"
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     # In-process engine core: a monkeypatched fault reaches the model runner.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if in_process:
@@ -647,6 +732,54 @@ def check_configs(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _order(cell: Cell) -> tuple[int, int]:
+    """Queue order: compiled engines first, one of each model/draft graph
+    (the auto-KV cells) before the rest so later engines find its Inductor
+    and Triton artifacts in the shared cache; eager (NONE) engines last, as
+    they are the shortest."""
+    if cell.cg == "NONE":
+        return (2, 0)
+    return (0 if cell.kv == "auto" else 1, CG_MODES.index(cell.cg))
+
+
+def run_engines(
+    engines: dict[str, tuple[Cell, dict[str, Any]]],
+    outdir: Path,
+    args: argparse.Namespace,
+    t0: float,
+) -> dict[str, dict[str, Any]]:
+    """Run every engine (``--jobs`` at a time); engines that cannot start or
+    finish before ``--deadline`` (seconds since ``t0``) are recorded as not
+    run / timed out, so the table always comes out inside one device call."""
+    done = [0]
+    deadline = t0 + args.deadline if args.deadline else None
+
+    def one(item):
+        name, (c, child_args) = item
+        timeout = args.timeout
+        if deadline is not None:
+            left = deadline - time.time()
+            if left < 20:
+                done[0] += 1
+                return name, {"rc": "skipped", "wall": 0, "crash": "NOT RUN (deadline)"}
+            timeout = min(timeout, left)
+        num_spec = (SPECS[c.spec] or {}).get("num_speculative_tokens", 0)
+        env = child_env(
+            outdir, args.cache, num_spec, shared_compile=args.shared_compile
+        )
+        rec = spawn(name, child_args, outdir, timeout, env)
+        done[0] += 1
+        if "crash" in rec:
+            print(f"  {name}: {rec['crash'][:100]} ({rec['wall']}s)", flush=True)
+        elif done[0] % 10 == 0:
+            print(f"  [{done[0]}/{len(engines)}] {time.time() - t0:.0f}s", flush=True)
+        return name, rec
+
+    items = sorted(engines.items(), key=lambda kv: _order(kv[1][0]))
+    with ThreadPoolExecutor(args.jobs) as pool:
+        return dict(pool.map(one, items))
+
+
 def run_matrix(args: argparse.Namespace) -> int:
     from .checkpoints import bigram_prompts
 
@@ -676,28 +809,10 @@ def run_matrix(args: argparse.Namespace) -> int:
         engines.pop(name)
     print(
         f"{len(cells)} cells, {len(engines)} engines ({len(reused)} references "
-        f"reused), {args.jobs} at a time",
+        f"reused), {args.jobs} at a time, deadline {args.deadline}s",
         flush=True,
     )
-
-    done = [0]
-
-    def one(item):
-        name, (c, child_args) = item
-        num_spec = (SPECS[c.spec] or {}).get("num_speculative_tokens", 0)
-        env = child_env(outdir, args.cache, num_spec)
-        rec = spawn(name, child_args, outdir, args.timeout, env)
-        done[0] += 1
-        if "crash" in rec:
-            print(f"  {name}: {rec['crash'][:100]} ({rec['wall']}s)", flush=True)
-        elif done[0] % 10 == 0:
-            print(f"  [{done[0]}/{len(engines)}] {time.time() - t0:.0f}s", flush=True)
-        return name, rec
-
-    # Longest-first would need timings; run references and spec engines of
-    # the same cell close together so a crash shows early.
-    with ThreadPoolExecutor(args.jobs) as pool:
-        records = {**reused, **dict(pool.map(one, engines.items()))}
+    records = {**reused, **run_engines(engines, outdir, args, t0)}
     rows = []
     for cell in cells:
         ref = records[cell.reference().key]
@@ -727,6 +842,112 @@ def run_matrix(args: argparse.Namespace) -> int:
     return 0 if all(r.get("status") == "exact" for r in rows) else 1
 
 
+# --------------------------------------------------------------------------
+# Verifier precision (issue 8 item 3): acceptance with verify rows reading
+# their own new K/V back quantized (shipped) vs raw (VARIANTS), eager.
+# --------------------------------------------------------------------------
+
+PRECISION_CELLS: tuple[tuple[str, str], ...] = (
+    # Dense target + identical-config draft, vLLM dummy weights: dummy values
+    # depend only on a parameter's size and dtype (per-parameter seed), so
+    # target == draft and every draft should be accepted.
+    ("dummy_dense", "draft3"),
+    ("qwen3_dense", "draft3"),
+    ("qwen3_next", "mtp3"),
+    ("qwen3_5", "mtp3"),
+    ("hybrid_draft", "draft3"),
+)
+PRECISION_KVS = ("turboquant_4bit_nc", "turboquant_3bit_nc")
+RAW = "verify-raw-own-kv"
+
+
+def precision_rows(
+    cells: list[Cell], records: dict[str, dict[str, Any]], prompts: list[list[int]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for cell in cells:
+        ref = records[cell.reference().key]
+        for variant, label in ((None, "quantized"), (RAW, "raw own K/V")):
+            rec = records[cell.key + (f".{variant}" if variant else "")]
+            row = {"model": cell.model, "kv": cell.kv, "spec": cell.spec}
+            row["verify"] = label
+            row.update(compare(ref, rec, prompts))
+            m = rec.get("metrics", {})
+            if m.get("num_draft_tokens"):
+                row["accept_rate"] = m.get("num_accepted_tokens", 0) / float(
+                    m["num_draft_tokens"]
+                )
+            rows.append(row)
+    return rows
+
+
+def format_precision(rows: list[dict[str, Any]]) -> str:
+    cols = ("model", "kv", "spec", "verify", "accept", "len", "exact vs no-spec")
+    lines = []
+    for r in rows:
+        rate, length = r.get("accept_rate"), r.get("mean_accept_len")
+        status = r.get("status", "?")
+        lines.append(
+            (
+                r["model"],
+                r["kv"].removeprefix("turboquant_"),
+                r["spec"],
+                r["verify"],
+                f"{100 * rate:.1f}%" if rate is not None else "-",
+                f"{length:.2f}" if length else "-",
+                "yes" if status == "exact" else f"no ({status})",
+            )
+        )
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*cols)] + [fmt.format(*ln) for ln in lines]
+    out += [
+        f"  {r['model']}.{r['kv']}.{r['verify']}: {r['crash']}"
+        for r in rows
+        if r.get("crash")
+    ]
+    return "\n".join(out)
+
+
+def run_precision(args: argparse.Namespace) -> int:
+    from .checkpoints import bigram_prompts, copy_checkpoint, write_config
+
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    ckpts = build_checkpoints(outdir / "ckpt", args.gain)
+    ckpts["dummy_dense"] = str(write_config("qwen3_dense", outdir / "ckpt" / "dummy"))
+    ckpts["dummy_dense_draft"] = str(
+        copy_checkpoint(ckpts["dummy_dense"], outdir / "ckpt" / "dummy_draft")
+    )
+    prompts = bigram_prompts(args.prompts)
+    cells = [
+        Cell(m, kv, spec, "NONE") for m, spec in PRECISION_CELLS for kv in args.kvs
+    ]
+    engines: dict[str, tuple[Cell, dict[str, Any]]] = {}
+    for cell in cells:
+        for c, variant in ((cell.reference(), None), (cell, None), (cell, RAW)):
+            engines[c.key + (f".{variant}" if variant else "")] = (
+                c,
+                {
+                    "engine": engine_kwargs(c, ckpts),
+                    "prompts": prompts,
+                    "fault": variant,
+                    "logprobs": c.spec == "none",
+                },
+            )
+    print(f"{len(cells)} cells, {len(engines)} engines, {args.jobs} at a time")
+    records = run_engines(engines, outdir, args, t0)
+    rows = precision_rows(cells, records, prompts)
+    (outdir / "precision.json").write_text(
+        json.dumps({"rows": rows, "records": records, "prompts": prompts})
+    )
+    _tar_logs(outdir)
+    print(format_precision(rows))
+    print(f"{time.time() - t0:.0f}s; {outdir / 'precision.json'}")
+    return 0 if all("crash" not in r for r in rows) else 1
+
+
 def reuse_references(
     refs: Path | None,
     engines: dict[str, tuple[Cell, dict[str, Any]]],
@@ -749,6 +970,7 @@ def reuse_references(
 
 
 def _tar_logs(outdir: Path) -> None:
+    (outdir / "logs").mkdir(parents=True, exist_ok=True)
     with tarfile.open(outdir / "logs.tar.gz", "w:gz") as tar:
         tar.add(outdir / "logs", arcname="logs")
 
@@ -839,7 +1061,9 @@ def format_speed(rows: list[dict[str, Any]]) -> str:
 def print_tables(paths: list[str]) -> int:
     for p in paths:
         data = json.loads(Path(p).read_text())
-        if "rows" in data and data["rows"] and "model" in data["rows"][0]:
+        if data.get("rows") and "verify" in data["rows"][0]:
+            print(format_precision(data["rows"]))
+        elif data.get("rows") and "model" in data["rows"][0]:
             print(format_table(data["rows"]))
         else:
             print(format_speed(data.get("rows", [])))
@@ -858,6 +1082,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--only", help="filters, e.g. model=qwen3_next,cg=NONE|PIECEWISE")
     p.add_argument("--jobs", type=int, default=16, help="engines at a time")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole run (default 510 for the full matrix, "
+        "else none): engines still queued then are recorded NOT RUN, running "
+        "ones are stopped, the table is printed",
+    )
+    p.add_argument(
+        "--no-shared-compile",
+        dest="shared_compile",
+        action="store_false",
+        help="keep vLLM's per-config AOT compile cache (slower: no sharing)",
+    )
+    p.add_argument(
+        "--verify-precision",
+        action="store_true",
+        help="acceptance with verify rows reading their own K/V quantized "
+        "(shipped) vs raw, eager engines (issue 8 item 3)",
+    )
+    p.add_argument(
+        "--kvs",
+        default=",".join(PRECISION_KVS),
+        help="--verify-precision: TurboQuant presets, comma-separated",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -910,7 +1159,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--gain: expected CKPT=FLOAT, got {item!r}")
     args.gain = gains
     if args.timeout is None:
-        args.timeout = 240 if args.quick else 300 if args.speed else 420
+        args.timeout = 240 if args.quick else 300 if args.speed else 300
+    full = not (args.quick or args.only or args.speed or args.verify_precision)
+    if args.deadline is None and full:
+        args.deadline = FULL_DEADLINE
+    args.kvs = args.kvs.split(",")
+    if not set(args.kvs) <= set(KV_DTYPES) - {"auto"}:
+        p.error(f"--kvs: expected TurboQuant presets of {KV_DTYPES}, got {args.kvs}")
     modes = args.modes.split(",")
     if not set(modes) <= set(CG_MODES):
         p.error(f"--modes: expected some of {CG_MODES}, got {modes}")
@@ -933,6 +1188,8 @@ def main(argv: list[str] | None = None) -> int:
         return check_configs(args)
     if args.speed:
         return run_speed(args)
+    if args.verify_precision:
+        return run_precision(args)
     return run_matrix(args)
 
 

@@ -506,3 +506,152 @@ def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
     assert logs and all("gdn-offset-zero" in n for n in logs)
     with pytest.raises(SystemExit, match="other prompts"):
         sdm.main([str(out), "--quick", "--prompts", "6", "--refs", str(clean)])
+
+
+def test_variant_hook_points_exist_in_installed_vllm():
+    import importlib
+
+    for name, targets in sdm.VARIANTS.items():
+        for module, cls_name, attr, _ in targets:
+            cls = getattr(importlib.import_module(module), cls_name)
+            assert attr in vars(cls), f"{name}: {cls_name}.{attr}"
+    # What the raw-own-K/V variant calls: the backend's continuation prefill.
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    assert "_continuation_prefill" in vars(TurboQuantAttentionImpl)
+    assert not set(sdm.VARIANTS) & set(sdm.FAULTS)
+
+
+def test_verify_raw_own_kv_recomputes_only_verify_rows(monkeypatch):
+    """Verify rows (1 < len <= 1+k with cached context) are recomputed by the
+    continuation prefill with their request's context length, block-table row
+    and raw new K/V; decode rows and first prefills keep the real output."""
+    monkeypatch.setenv("HYBRIDKV_MATRIX_NUM_SPEC", "3")
+    hq, hk, d = 2, 1, 4
+    calls = []
+
+    class Impl:
+        num_heads, num_kv_heads, head_size = hq, hk, d
+
+        def _continuation_prefill(self, layer, q, k, v, cache, bt, cached, seq, *_):
+            calls.append((q.shape[0], int(bt[0, 0]), cached, seq, float(k[0, 0, 0])))
+            return torch.full((q.shape[0], hq, d), 7.0)
+
+    qlens, seqs = [1, 4, 3, 6], [9, 12, 3, 6]  # decode, verify, prefill, prefill
+    n = sum(qlens)
+    md = SimpleNamespace(
+        num_actual_tokens=n,
+        seq_lens=torch.tensor(seqs),
+        query_start_loc=torch.tensor([0, 1, 5, 8, 14]),
+        block_table=torch.arange(4).unsqueeze(1) * 10,
+    )
+    key = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, hk, d)
+    layer = SimpleNamespace(_tq_Pi=None, _tq_centroids=None)
+
+    def real(self, layer, q, k, v, cache, md, output, *a, **kw):
+        return output.fill_(1.0)
+
+    fwd = sdm._verify_raw_own_kv(real)
+    out = fwd(
+        Impl(),
+        layer,
+        torch.zeros(n, hq * d),
+        key,
+        key,
+        None,
+        md,
+        torch.zeros(n, hq * d),
+    )
+    assert calls == [(4, 10, 8, 12, 1.0)]
+    assert out[1:5].eq(7).all() and out[:1].eq(1).all() and out[5:].eq(1).all()
+
+
+def test_vllm_dummy_weights_are_seeded_per_parameter():
+    """Why the dummy dense target and its identical-config draft agree: vLLM's
+    dummy init seeds each parameter alike, so equal shapes get equal values."""
+    from vllm.model_executor.model_loader.weight_utils import (
+        initialize_single_dummy_weight,
+    )
+
+    a, b = torch.empty(64, 32), torch.empty(64, 32)
+    initialize_single_dummy_weight(a)
+    torch.manual_seed(123)  # global RNG state does not matter
+    initialize_single_dummy_weight(b)
+    assert torch.equal(a, b) and a.abs().max() <= 1e-3 and a.std() > 0
+
+
+def test_full_run_order_and_shared_compile_env(tmp_path):
+    cells = sdm.full_cells()
+    names = {c.key: c for cell in cells for c in (cell.reference(), cell)}
+    assert len(names) == 132
+    order = sorted(names, key=lambda k: sdm._order(names[k]))
+    # One engine per model/draft graph compiles first; eager engines last.
+    first = {names[k].kv for k in order[:22]} | {names[k].cg for k in order[:22]}
+    assert first == {"auto", "PIECEWISE", "FULL_AND_PIECEWISE"}
+    assert {names[k].cg for k in order[-44:]} == {"NONE"}
+    env = sdm.child_env(tmp_path, tmp_path / "c", 3, shared_compile=True)
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
+    assert "VLLM_USE_AOT_COMPILE" not in sdm.child_env(tmp_path, None, 3) or (
+        "VLLM_USE_AOT_COMPILE" in __import__("os").environ
+    )
+    args = sdm.parse_args([str(tmp_path)])
+    assert args.deadline == sdm.FULL_DEADLINE and args.shared_compile
+    assert sdm.parse_args([str(tmp_path), "--quick"]).deadline is None
+
+
+def test_deadline_records_engines_not_run(tmp_path, monkeypatch):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "out"
+    argv = [str(out), "--only", "model=qwen3_dense,kv=auto,cg=NONE", "--deadline", "5"]
+    assert sdm.main(argv) == 1
+    rows = json.loads((out / "matrix.json").read_text())["rows"]
+    assert len(rows) == 2
+    assert {r["crash"] for r in rows} == {"NOT RUN (deadline)"}
+
+
+_FAKE_PRECISION_ENGINE = """
+import json, sys
+args = json.load(open(sys.argv[2]))
+eng = args["engine"]
+outs = [[(t * 7 + i) % 2048 for i in range(8)] for t in range(len(args["prompts"]))]
+metrics = {}
+if eng.get("speculative_config"):
+    acc = 30 if args["fault"] else 27
+    if args["fault"] and eng["model"].endswith("qwen3_next"):
+        outs[0][3] += 1
+    metrics = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": acc,
+               "histogram": [0, 0, 3, 7], "mean_accept_len": 1 + acc / 10}
+res = {"outputs": outs, "seconds": 0.1, "metrics": metrics}
+if args["logprobs"]:
+    res["gaps"] = [[1.0] * 8 for _ in outs]
+json.dump(res, open(sys.argv[3], "w"))
+"""
+
+
+def test_verify_precision_driver_with_fake_engines(tmp_path, monkeypatch, capsys):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_PRECISION_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = tmp_path / "out"
+    argv = [str(out), "--verify-precision", "--kvs", "turboquant_4bit_nc"]
+    assert sdm.main(argv) == 0
+    data = json.loads((out / "precision.json").read_text())
+    assert len(data["rows"]) == 2 * len(sdm.PRECISION_CELLS)
+    # Every engine is eager; the variant only in the raw rows' engines.
+    args = [json.loads(p.read_text()) for p in (out / "logs").glob("*.args.json")]
+    assert all(a["engine"]["enforce_eager"] for a in args)
+    assert {a["fault"] for a in args} == {None, sdm.RAW}
+    dummy = [a["engine"] for a in args if "dummy" in a["engine"]["model"]]
+    assert dummy and all(e["load_format"] == "dummy" for e in dummy)
+    text = capsys.readouterr().out
+    lines = {" ".join(ln.split()) for ln in text.splitlines()}
+    assert "dummy_dense 4bit_nc draft3 raw own K/V 100.0% 4.00 yes" in lines
+    assert "dummy_dense 4bit_nc draft3 quantized 90.0% 3.70 yes" in lines
+    assert "qwen3_next 4bit_nc mtp3 raw own K/V 100.0% 4.00 no (DIFF 0@3)" in lines
+    assert sdm.main(["--table", str(out / "precision.json")]) == 0
+    assert "raw own K/V" in capsys.readouterr().out
