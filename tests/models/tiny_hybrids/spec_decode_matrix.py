@@ -372,8 +372,12 @@ NEW_TOKENS = 64
 
 
 def engine_kwargs(
-    cell: Cell, ckpts: dict[str, str], max_num_batched_tokens: int | None = None
+    cell: Cell,
+    ckpts: dict[str, str],
+    max_num_batched_tokens: int | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
+    from .checkpoints import MATRIX_DTYPE
     from .checkpoints import MODELS as CKPTS
 
     mm = matrix_model(cell.model)
@@ -386,6 +390,9 @@ def engine_kwargs(
         kv_cache_memory_bytes=256 * 2**20,
         gpu_memory_utilization=0.08,
         kv_cache_dtype=cell.kv,
+        # float16, not the checkpoints' bfloat16: ~8x less rounding noise
+        # (checkpoints.MATRIX_DTYPE says why); --dtype bfloat16 for the other.
+        dtype=dtype or MATRIX_DTYPE,
         seed=0,
         disable_log_stats=False,
         **extra,
@@ -719,7 +726,9 @@ def check_configs(args: argparse.Namespace) -> int:
         cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
         for cell in cells:
             for c in (cell.reference(), cell):
-                kwargs[c.key] = engine_kwargs(c, ckpts, args.max_num_batched_tokens)
+                kwargs[c.key] = engine_kwargs(
+                    c, ckpts, args.max_num_batched_tokens, args.dtype
+                )
     failed = 0
     for name, kw in kwargs.items():
         try:
@@ -798,13 +807,16 @@ def run_matrix(args: argparse.Namespace) -> int:
             engines[name] = (
                 c,
                 {
-                    "engine": engine_kwargs(c, ckpts, args.max_num_batched_tokens),
+                    "engine": engine_kwargs(
+                        c, ckpts, args.max_num_batched_tokens, args.dtype
+                    ),
                     "prompts": prompts,
                     "fault": fault,
                     "logprobs": c.spec == "none",
                 },
             )
-    reused = reuse_references(args.refs, engines, prompts, args.gain)
+    dtype = next(iter(engines.values()))[1]["engine"]["dtype"]
+    reused = reuse_references(args.refs, engines, prompts, args.gain, dtype)
     for name in reused:
         engines.pop(name)
     print(
@@ -830,6 +842,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "records": records,
         "inject": args.inject,
         "gains": args.gain,
+        "dtype": dtype,
         "prompts": prompts,
         "seconds": round(time.time() - t0, 1),
     }
@@ -930,7 +943,7 @@ def run_precision(args: argparse.Namespace) -> int:
             engines[c.key + (f".{variant}" if variant else "")] = (
                 c,
                 {
-                    "engine": engine_kwargs(c, ckpts),
+                    "engine": engine_kwargs(c, ckpts, dtype=args.dtype),
                     "prompts": prompts,
                     "fault": variant,
                     "logprobs": c.spec == "none",
@@ -953,6 +966,7 @@ def reuse_references(
     engines: dict[str, tuple[Cell, dict[str, Any]]],
     prompts: list[list[int]],
     gains: dict[str, float],
+    dtype: str = "float16",
 ) -> dict[str, dict[str, Any]]:
     """Reference records (no speculation, no fault) from an earlier run's
     matrix.json with the same prompts and gains, instead of new engines."""
@@ -960,8 +974,12 @@ def reuse_references(
         return {}
     path = refs / "matrix.json" if refs.is_dir() else refs
     prev = json.loads(path.read_text())
-    if prev.get("prompts") != prompts or prev.get("gains", {}) != gains:
-        raise SystemExit(f"--refs {path}: other prompts or --gain; run without --refs")
+    # Runs before the dtype was recorded used bfloat16.
+    same = prev.get("gains", {}) == gains and prev.get("dtype", "bfloat16") == dtype
+    if prev.get("prompts") != prompts or not same:
+        raise SystemExit(
+            f"--refs {path}: other prompts, --gain or --dtype; run without --refs"
+        )
     return {
         name: prev["records"][name]
         for name, (c, _) in engines.items()
@@ -1114,6 +1132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds per engine (default: 240 --quick, 300 --speed, else 420)",
     )
     p.add_argument("--prompts", type=int, default=12)
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="model dtype of the tiny-checkpoint engines (default "
+        "checkpoints.MATRIX_DTYPE, float16: less rounding noise)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
     p.add_argument(

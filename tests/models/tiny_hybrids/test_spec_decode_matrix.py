@@ -90,6 +90,11 @@ def test_engine_kwargs():
     none = sdm.engine_kwargs(sdm.Cell("qwen3_5", "auto", "none", "NONE"), CKPTS)
     assert none["enforce_eager"] and "speculative_config" not in none
     assert none["language_model_only"] and not none["disable_log_stats"]
+    assert none["dtype"] == "float16"  # checkpoints.MATRIX_DTYPE
+    bf16 = sdm.engine_kwargs(
+        sdm.Cell("qwen3_5", "auto", "none", "NONE"), CKPTS, dtype="bfloat16"
+    )
+    assert bf16["dtype"] == "bfloat16"
     full = sdm.engine_kwargs(
         sdm.Cell("qwen3_next", "turboquant_4bit_nc", "mtp3", "FULL_AND_PIECEWISE"),
         CKPTS,

@@ -152,6 +152,9 @@ def engine_kwargs(cfg: Config, ckpts: dict[str, str]) -> dict[str, Any]:
         gpu_memory_utilization=0.1,
         enforce_eager=True,
         kv_cache_dtype=cfg.kv,
+        # checkpoints.MATRIX_DTYPE (float16): rounding cannot flip a token
+        # on the screened prompts, so auto can equal transformers' fp32.
+        dtype=ck.MATRIX_DTYPE,
         seed=0,
         **base.engine_kwargs,
     )
