@@ -553,11 +553,14 @@ def compare(
 ) -> dict[str, Any]:
     """Row fields for one cell from the reference and speculative records."""
     row: dict[str, Any] = {}
-    for which, rec in (("ref", ref), ("spec", run)):
-        if "crash" in rec:
-            row["status"] = f"CRASH({which})"
-            row["crash"] = rec["crash"]
-            return row
+    crashed = [w for w, rec in (("ref", ref), ("spec", run)) if "crash" in rec]
+    if crashed:
+        # Both texts when both crashed (pristine): the cell's own first.
+        row["status"] = f"CRASH({'+'.join(crashed)})"
+        row["crash"] = (run if "spec" in crashed else ref)["crash"]
+        if len(crashed) == 2 and ref["crash"] != run["crash"]:
+            row["crash"] += f" | reference: {ref['crash']}"
+        return row
     a, b = ref["outputs"], run["outputs"]
     first = []
     for i, (x, y) in enumerate(zip(a, b)):
