@@ -15,9 +15,21 @@ fault to show (more context-decided tokens, smaller margins).
 
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR [--quick]
         [--inject FAULT] [--jobs N] [--only model=...,kv=...,spec=...,cg=...]
+        [--deadline S] [--dtype float16|bfloat16] [--cache DIR]
+    python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --verify-precision
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --speed
     python -m tests.models.tiny_hybrids.spec_decode_matrix --table RESULT.json ...
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --check-configs
+
+The tiny-checkpoint engines run in float16 (checkpoints.MATRIX_DTYPE: bf16
+rounding flipped near-tied tokens on the H100) on screened prompts
+(checkpoints.SCREENED). The full matrix (132 engines) runs in one call:
+compiled engines first, those of auto-KV cells (one per model/draft graph)
+before the others, with one Inductor FX-graph cache for all engines
+(``--no-shared-compile`` keeps vLLM's per-config AOT cache) and a
+``--deadline`` (510 s by default for the full matrix) after which queued
+engines are recorded NOT RUN. ``--verify-precision`` measures acceptance
+with verify rows reading their own new K/V raw vs quantized (VARIANTS).
 
 Each engine runs in its own subprocess (``--child``), in-process engine core
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so an injected fault (FAULTS below,
