@@ -482,12 +482,12 @@ def format_table(
             (
                 r["engine"],
                 r.get("status", "?"),
-                r.get("exact", "-"),
+                r.get("exact") or "-",
                 str(r.get("dist", "-")),
                 f"{acc:.2f}" if acc else "-",
                 "-" if r.get("kv_engine") is None else f"{r['kv_engine']:,}",
                 "-" if r.get("kv_plan") is None else f"{r['kv_plan']:,}",
-                r.get("kv_status", "-"),
+                r.get("kv_status") or "-",
                 "-" if r.get("wall") is None else f"{r['wall']:.0f}s",
             )
         )
@@ -678,6 +678,7 @@ def check_configs(args: argparse.Namespace) -> int:
         engines = tp2_engines(ckpts, args.tp)
     else:
         engines = tp4_engines(write_tp4_models(outdir / "models"), args.tp)
+    engines = [e for e in engines if not args.only or re.search(args.only, e.name)]
     failed = 0
     for eng in engines:
         try:
