@@ -206,9 +206,9 @@ def test_engine_rows_and_table():
 @pytest.mark.parametrize(
     "argv, expect",
     [
-        (["o"], {"tp": 2, "jobs": 1, "budget": 450, "gemma": "parallel"}),
+        (["o"], {"tp": 2, "jobs": 2, "budget": 450, "gemma": "parallel"}),
         (["o", "--tp", "4"], {"tp": 4, "budget": 540}),
-        (["o", "--jobs", "2", "--budget", "300"], {"jobs": 2, "budget": 300}),
+        (["o", "--jobs", "1", "--budget", "300"], {"jobs": 1, "budget": 300}),
         (["--table", "x.json"], {"table": "x.json"}),
     ],
 )
@@ -233,7 +233,7 @@ def fake_world(monkeypatch):
     calls = []
 
     def spawn(name, args, outdir, timeout, env):
-        calls.append((name, timeout, env["VLLM_ENABLE_V1_MULTIPROCESSING"]))
+        calls.append((name, sdm.MODULE, env["VLLM_ENABLE_V1_MULTIPROCESSING"]))
         assert args["engine"]["tensor_parallel_size"] == 2
         logs = Path(outdir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -264,6 +264,8 @@ def test_driver_with_fake_engines(tmp_path, fake_world, capsys):
     assert rc == 0, out
     assert len(fake_world) == 8
     assert {c[2] for c in fake_world} == {"1"}  # engine core in its own process
+    assert {c[1] for c in fake_world} == {tpm.MODULE}
+    assert sdm.MODULE == "tests.models.tiny_hybrids.spec_decode_matrix"
     table = out[out.index("engine  ") :]
     assert "8/8 engines ran" in table and "3/3 gemma4 engines answered" in table
     data = json.loads((tmp_path / "tp_matrix.json").read_text())
@@ -299,13 +301,25 @@ def test_engine_configs_build_and_plan_on_cpu(tmp_path, capsys, tp, only):
 
 
 def test_child_dispatch(monkeypatch):
-    """TP=2 payloads go to spec_decode_matrix's child and spawn unchanged;
-    TP=4 payloads to this module's child (sdm.MODULE restored after)."""
+    """TP=2 payloads go to spec_decode_matrix's child function; every engine
+    process is this module's (it ends the engine core and workers)."""
     monkeypatch.setattr(sdm, "run_child", lambda args: {"sdm": True})
     assert tpm.run_child({"engine": {}, "prompts": []}) == {"sdm": True}
-    seen = []
-    monkeypatch.setattr(sdm, "spawn", lambda *a: seen.append(sdm.MODULE) or {})
-    tpm.spawn("a", {"prompts": []}, Path("."), 1, {})
-    tpm.spawn("b", {"long_prompt_tokens": 9}, Path("."), 1, {})
-    assert seen == ["tests.models.tiny_hybrids.spec_decode_matrix", tpm.MODULE]
-    assert sdm.MODULE == "tests.models.tiny_hybrids.spec_decode_matrix"
+
+
+def test_end_children_kills_descendants():
+    import subprocess
+    import time
+
+    import psutil
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
+    for _ in range(100):
+        sleepers = psutil.Process(shell.pid).children()
+        if len(sleepers) == 2:
+            break
+        time.sleep(0.05)
+    assert len(sleepers) == 2
+    tpm.end_children(shell.pid)
+    assert shell.wait(timeout=10) is not None
+    assert not any(p.is_running() and p.status() != "zombie" for p in sleepers)

@@ -26,23 +26,24 @@ Qwen3-Coder-Next-80B-A3B with a LocoOperator-4B-shaped draft model (k=3).
     python -m tests.models.tiny_hybrids.tp_matrix OUTDIR --check-configs [--tp N]
     python -m tests.models.tiny_hybrids.tp_matrix --table OUTDIR/tp_matrix.json
 
-Engines run one at a time by default (each TP engine spans every GPU);
-``--jobs 2`` overlaps two when the budget is tight (memory is not the limit:
-each engine has a fixed KV budget). ``--budget`` seconds bound the whole run:
-engines that would start after it are reported as skipped, so the table
-always prints. Each engine runs in its own subprocess
-(spec_decode_matrix.spawn) with the engine core and workers in their own
-processes, as users run TP. Writes OUTDIR/tp_matrix.json,
+Two engines run at a time by default (``--jobs``): each spans both GPUs,
+but each has a fixed 256 MiB KV budget and tiny weights, so two fit beside
+each other (and beside gemma4_matrix's eager engines) and the 8 cold
+compiles fit the budget; ``--jobs 1`` runs them strictly one after another.
+``--budget`` seconds bound the whole run: engines that would start after it
+are reported as skipped, so the table always prints. Each engine runs in its
+own subprocess (spec_decode_matrix.spawn) with the engine core and workers in
+their own processes, as users run TP. Writes OUTDIR/tp_matrix.json,
 OUTDIR/logs.tar.gz (engine, planner and Gemma logs) and prints the table last.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -279,9 +280,10 @@ def planner_argv(kwargs: dict[str, Any]) -> list[str]:
 
 
 def planner_command(kwargs: dict[str, Any]) -> list[str]:
-    exe = shutil.which("vllm")
-    head = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    return [*head, "kv-capacity", *planner_argv(kwargs)]
+    """``vllm kv-capacity ...`` run by this interpreter, so the planner is the
+    vLLM the engines import (a ``vllm`` on PATH may be another install)."""
+    cli = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return [*cli, "kv-capacity", *planner_argv(kwargs)]
 
 
 def run_planner(
@@ -368,14 +370,20 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
 def spawn(
     name: str, args: dict[str, Any], outdir: Path, timeout: float, env: dict
 ) -> dict[str, Any]:
-    """spec_decode_matrix.spawn, with this module's child (TP=4 payloads)."""
-    if not (args.get("long_prompt_tokens") or args.get("random_prompts")):
-        return sdm.spawn(name, args, outdir, timeout, env)
-    saved, sdm.MODULE = sdm.MODULE, MODULE
-    try:
-        return sdm.spawn(name, args, outdir, timeout, env)
-    finally:
-        sdm.MODULE = saved
+    """spec_decode_matrix.spawn with this module's child, which also ends the
+    engine core and worker processes (run_matrix sets sdm.MODULE)."""
+    return sdm.spawn(name, args, outdir, timeout, env)
+
+
+def end_children(pid: int | None = None) -> None:
+    """Kill this process's descendants: at TP > 1 the engine core and the
+    workers outlive an ``os._exit`` of the front end and would hold the GPUs
+    while the next engine boots."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def child_env(outdir: Path, cache: Path | None, num_spec: int) -> dict[str, str]:
@@ -550,44 +558,16 @@ def _tar_logs(outdir: Path) -> None:
         tar.add(outdir / "logs", arcname="logs")
 
 
-def run_matrix(args: argparse.Namespace) -> int:
-    outdir = Path(args.outdir)
-    (outdir / "logs").mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+def _run_engines(
+    args: argparse.Namespace,
+    engines: list[Engine],
+    prompts: list[list[int]] | None,
+    outdir: Path,
+    t0: float,
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Engines ``args.jobs`` at a time within the budget; the planner for
+    each engine alongside (CPU only)."""
     deadline = t0 + args.budget
-    prompts: list[list[int]] | None = None
-    if args.tp == 2:
-        from .checkpoints import bigram_prompts, build_all
-
-        ckpts = {
-            k: str(v) for k, v in build_all(outdir / "ckpt", list(TP2_MODELS)).items()
-        }
-        prompts = bigram_prompts(args.prompts)
-        engines = tp2_engines(ckpts, args.tp)
-    else:
-        engines = tp4_engines(write_tp4_models(outdir / "models"), args.tp)
-    engines = [e for e in engines if not args.only or re.search(args.only, e.name)]
-    print(
-        f"{len(engines)} engines at TP={args.tp}, {args.jobs} at a time; "
-        f"budget {args.budget:.0f}s",
-        flush=True,
-    )
-
-    gemma_report: list[dict] = []
-    gemma_thread = None
-    if args.tp == 2 and args.gemma != "off":
-        extra = args.gemma_args.split() if args.gemma_args else []
-
-        def gemma_job():
-            # Leave the tail of the budget for the table.
-            gemma_report.append(
-                run_gemma(outdir, args.tp, deadline - time.time(), extra)
-            )
-
-        gemma_thread = threading.Thread(target=gemma_job)
-        if args.gemma == "parallel":
-            gemma_thread.start()
-
     with ThreadPoolExecutor(4) as planners:
         plans = {
             e.name: planners.submit(
@@ -627,6 +607,53 @@ def run_matrix(args: argparse.Namespace) -> int:
         with ThreadPoolExecutor(args.jobs) as pool:
             records = dict(pool.map(one, engines))
         plan_reports = {n: f.result() for n, f in plans.items()}
+    return records, plan_reports
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    outdir = Path(args.outdir)
+    (outdir / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = t0 + args.budget
+    prompts: list[list[int]] | None = None
+    if args.tp == 2:
+        from .checkpoints import bigram_prompts, build_all
+
+        ckpts = {
+            k: str(v) for k, v in build_all(outdir / "ckpt", list(TP2_MODELS)).items()
+        }
+        prompts = bigram_prompts(args.prompts)
+        engines = tp2_engines(ckpts, args.tp)
+    else:
+        engines = tp4_engines(write_tp4_models(outdir / "models"), args.tp)
+    engines = [e for e in engines if not args.only or re.search(args.only, e.name)]
+    print(
+        f"{len(engines)} engines at TP={args.tp}, {args.jobs} at a time; "
+        f"budget {args.budget:.0f}s",
+        flush=True,
+    )
+
+    gemma_report: list[dict] = []
+    gemma_thread = None
+    if args.tp == 2 and args.gemma != "off":
+        extra = args.gemma_args.split() if args.gemma_args else []
+
+        def gemma_job():
+            # Leave the tail of the budget for the table.
+            gemma_report.append(
+                run_gemma(outdir, args.tp, deadline - time.time(), extra)
+            )
+
+        gemma_thread = threading.Thread(target=gemma_job)
+        if args.gemma == "parallel":
+            gemma_thread.start()
+
+    # Every engine runs through this module's child (run_child, end_children).
+    saved_module, sdm.MODULE = sdm.MODULE, MODULE
+    try:
+        records, plan_reports = _run_engines(args, engines, prompts, outdir, t0)
+    finally:
+        sdm.MODULE = saved_module
 
     if gemma_thread is not None:
         if args.gemma == "serial":
@@ -709,7 +736,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("outdir", nargs="?")
     p.add_argument("--tp", type=int, choices=(2, 4), default=2)
-    p.add_argument("--jobs", type=int, default=1, help="engines at a time")
+    p.add_argument("--jobs", type=int, default=2, help="engines at a time")
     p.add_argument(
         "--budget",
         type=float,
@@ -756,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.child[1]).write_text(json.dumps(result))
         sys.stdout.flush()
         # Engine teardown can hang or crash after the work is done.
+        end_children()
         os._exit(0)
     if args.table:
         data = json.loads(Path(args.table).read_text())
