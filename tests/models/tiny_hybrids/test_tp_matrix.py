@@ -323,3 +323,23 @@ def test_end_children_kills_descendants():
     tpm.end_children(shell.pid)
     assert shell.wait(timeout=10) is not None
     assert not any(p.is_running() and p.status() != "zombie" for p in sleepers)
+
+
+def test_tp4_row_reports_backends_and_prompt_length():
+    gemma = tpm.tp4_engines(MODELS4)[0]
+    rec = {
+        "outputs": [[1] * 8],
+        "wall": 200.0,
+        "kv_tokens": 5,
+        "prompt_tokens": [tpm.LONG_PROMPT_TOKENS],
+        "backends": {
+            "0": "TRITON_ATTN/auto",
+            "1": "TRITON_ATTN/auto",
+            "5": "TURBOQUANT/turboquant_4bit_nc",
+        },
+    }
+    row = tpm.engine_row(gemma, rec, {}, {"kv_tokens": 5}, None)
+    assert tpm.row_ok(row)
+    table = tpm.format_table([row])
+    assert "layers: TRITON_ATTN/auto x2, TURBOQUANT/turboquant_4bit_nc x1" in table
+    assert "1 prompts, longest 200,704 tokens, 8 generated" in table

@@ -49,6 +49,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -507,6 +508,18 @@ def format_table(
             out.append(f"  {r['engine']}: {r['crash']}")
         if r.get("plan_error"):
             out.append(f"  {r['engine']} planner: {r['plan_error']}")
+        if isinstance(r.get("backends"), dict):
+            # The per-layer map is in the JSON and the engine log (BACKENDS).
+            counts = Counter(r["backends"].values())
+            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+            out.append(f"  {r['engine']} layers: {kinds}")
+        elif r.get("backends"):
+            out.append(f"  {r['engine']} layers: {r['backends']}")
+        if r.get("prompt_tokens"):
+            out.append(
+                f"  {r['engine']}: {len(r['prompt_tokens'])} prompts, longest "
+                f"{max(r['prompt_tokens']):,} tokens, {r.get('generated')} generated"
+            )
     good = sum(row_ok(r) for r in rows)
     out.append(f"{good}/{len(rows)} engines ran, equal where compared, KV = plan")
     if gemma is not None:
