@@ -168,6 +168,8 @@ def tp4_engines(models: dict[str, str], tp: int = 4) -> list[Engine]:
         kv_cache_memory_bytes=8 * GIB,
         gpu_memory_utilization=0.92,
         max_num_seqs=4,
+        # Bounds each continuation chunk's SDPA (head_dim 512) over ~200k keys.
+        max_num_batched_tokens=8192,
         seed=0,
         disable_log_stats=False,
     )
