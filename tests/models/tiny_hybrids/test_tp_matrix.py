@@ -207,7 +207,7 @@ def test_engine_rows_and_table():
     "argv, expect",
     [
         (["o"], {"tp": 2, "jobs": 2, "budget": 450, "gemma": "parallel"}),
-        (["o", "--tp", "4"], {"tp": 4, "budget": 540}),
+        (["o", "--tp", "4"], {"tp": 4, "budget": 540, "jobs": 1}),
         (["o", "--jobs", "1", "--budget", "300"], {"jobs": 1, "budget": 300}),
         (["--table", "x.json"], {"table": "x.json"}),
     ],

@@ -751,7 +751,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("outdir", nargs="?")
     p.add_argument("--tp", type=int, choices=(2, 4), default=2)
-    p.add_argument("--jobs", type=int, default=2, help="engines at a time")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="engines at a time (default 2 at TP=2; 1 at TP=4: full-size models)",
+    )
     p.add_argument(
         "--budget",
         type=float,
@@ -785,6 +790,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("OUTDIR is required")
     if args.budget is None:
         args.budget = 450 if args.tp == 2 else 540
+    if args.jobs is None:
+        args.jobs = 2 if args.tp == 2 else 1
     if args.jobs < 1:
         p.error("--jobs: at least 1")
     return args
