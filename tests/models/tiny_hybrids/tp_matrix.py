@@ -26,9 +26,9 @@ Qwen3-Coder-Next-80B-A3B with a LocoOperator-4B-shaped draft model (k=3).
     python -m tests.models.tiny_hybrids.tp_matrix OUTDIR --check-configs [--tp N]
     python -m tests.models.tiny_hybrids.tp_matrix --table OUTDIR/tp_matrix.json
 
-Two engines run at a time by default (``--jobs``): each spans both GPUs,
-but each has a fixed 256 MiB KV budget and tiny weights, so two fit beside
-each other (and beside gemma4_matrix's eager engines) and the 8 cold
+At TP=2 two engines run at a time by default (``--jobs``; one at TP=4):
+each spans both GPUs, but has a fixed 256 MiB KV budget and tiny weights, so
+two fit beside each other (and beside gemma4_matrix's eager engines) and the 8 cold
 compiles fit the budget; ``--jobs 1`` runs them strictly one after another.
 ``--budget`` seconds bound the whole run: engines that would start after it
 are reported as skipped, so the table always prints. Each engine runs in its
