@@ -5,7 +5,7 @@
 One command on a GPU host with the patched vLLM installed, from the repo root
 (the model configs come from tests/models/tiny_hybrids/full_size):
 
-    python benchmarks/e2e/benchmark_turboquant_e2e.py --quick      # < 8 min, one H100
+    python benchmarks/e2e/benchmark_turboquant_e2e.py --quick      # ~4-5 min, one H100
     python benchmarks/e2e/benchmark_turboquant_e2e.py              # the full table
 
 Each (model, KV dtype) configuration runs in its own process (an engine owns
@@ -63,7 +63,9 @@ QUICK = dict(
     models=["Qwen3-4B"],
     kv=["auto", "turboquant_k8v4", "turboquant_4bit_nc"],
     scenarios=["short-decode", "decode-heavy", "long-ctx-1"],
-    repeats=2,
+    # One timed repeat after the warm-up: three engine starts (~1-1.5 min
+    # each: dummy init, torch.compile, graph capture) are most of the time.
+    repeats=1,
 )
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _RESULT = "HYBRIDKV_E2E_RESULT "

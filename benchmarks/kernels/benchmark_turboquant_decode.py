@@ -10,8 +10,11 @@ For every case (query/KV heads x head_dim, batch x context) and TurboQuant
 preset it prints the bytes the decode kernel must read, the floor (bytes over
 the copy bandwidth measured in the same run), the median time (CUDA events,
 L2 flushed before every timed call) of FlashAttention bf16, of 0.20.2's kernel
-(``old``) and of the withdrawn patch 0015's kernel (``new``, through the same entry point),
-the fraction of copy bandwidth each reaches and the speed ratio to FA. Then
+(``old``) and of a split-KV kernel when one is installed (``new``, through
+the same entry point; release 5's was withdrawn), the fraction of copy
+bandwidth each reaches, the speed ratio to FA, and each kernel's error against
+a float64 attention over the same packed cache (first and last batch row;
+scratch and outputs poisoned with NaN before the checked call). Then
 the store kernel (a decode step and a prefill chunk) against bf16's
 ``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
 new kernel's launch geometries on two cases. Caches hold real packed slots
@@ -156,6 +159,65 @@ def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
         flat[i : i + n] = src[:n]
 
 
+def _unpack_bits(packed, bits, dim):
+    b = torch.nn.functional.pad(packed.long(), (0, 1))
+    bit = torch.arange(dim) * bits
+    word = b[..., bit // 8] | (b[..., bit // 8 + 1] << 8)
+    return (word >> (bit % 8)) & ((1 << bits) - 1)
+
+
+def _fp16_at(two_bytes):
+    b = two_bytes.long()
+    u = (b[..., 0] | (b[..., 1] << 8)).to(torch.int32)
+    return u.to(torch.int16).view(torch.float16).double()
+
+
+def _dequant64(slots, cfg, centroids, dim):
+    """float64 K (rotated space for MSE keys) and V from packed slots [..., slot]."""
+    if cfg.key_fp8:
+        k = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).double()
+    else:
+        mse_bytes = math.ceil(dim * cfg.key_mse_bits / 8)
+        c = centroids.cpu().double()[
+            _unpack_bits(slots[..., :mse_bytes], cfg.key_mse_bits, dim)
+        ]
+        if cfg.norm_correction:
+            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
+        k = _fp16_at(slots[..., mse_bytes : mse_bytes + 2])[..., None] * c
+    vq = cfg.effective_value_quant_bits
+    vbytes = math.ceil(dim * vq / 8)
+    vf = slots[..., cfg.key_packed_size :]
+    v = _unpack_bits(vf[..., :vbytes], vq, dim).double()
+    v = v * _fp16_at(vf[..., vbytes : vbytes + 2])[..., None]
+    return k, v + _fp16_at(vf[..., vbytes + 2 : vbytes + 4])[..., None]
+
+
+def reference_error(out, q, cache, block_table, seq_lens, cfg, centroids, pit, rows):
+    """max |out - float64 attention over the same packed cache| / max |ref|,
+    over the given batch rows (NaN left in a poisoned output shows as nan)."""
+    B, Hq, D = q.shape
+    Hk = cache.shape[2]
+    scale = D**-0.5
+    err, peak = 0.0, 0.0
+    for row in rows:
+        n = int(seq_lens[row])
+        pos = torch.arange(n, device=cache.device)
+        slots = cache[block_table[row, pos // PAGE].long(), pos % PAGE].cpu()
+        k, v = _dequant64(slots, cfg, centroids, D)  # [n, Hk, D]
+        qr = q[row].double().cpu()
+        if not cfg.key_fp8:
+            qr = qr @ pit.double().cpu()
+        qg = qr.view(Hk, Hq // Hk, D)
+        p = torch.softmax(torch.einsum("hgd,nhd->hgn", qg, k) * scale, dim=-1)
+        ref = torch.einsum("hgn,nhd->hgd", p, v).reshape(Hq, D)
+        got = out[row].double().cpu()
+        if torch.isnan(got).any():
+            return float("nan")
+        err = max(err, (got - ref).abs().max().item())
+        peak = max(peak, ref.abs().max().item())
+    return err / peak
+
+
 def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
     try:
         from vllm.v1.attention.backends.fa_utils import (
@@ -208,9 +270,10 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
         return None
     B, Hq, D = q.shape
     S = 32  # the backend's tq_max_kv_splits_for_cuda_graph default
-    mid = torch.empty(B, Hq, S, D + 1, dtype=torch.float32, device="cuda")
-    out_buf = torch.empty(B, Hq, D, dtype=torch.float32, device="cuda")
-    lse = torch.empty(B, Hq, dtype=torch.float32, device="cuda")
+    # Poisoned: the first (checked) call must write every output it returns.
+    mid = torch.full((B, Hq, S, D + 1), float("nan"), device="cuda")
+    out_buf = torch.full((B, Hq, D), float("nan"), device="cuda")
+    lse = torch.full((B, Hq), float("nan"), device="cuda")
 
     def run():
         if splitkv is not None:
@@ -329,6 +392,15 @@ def bench_decode(cases, presets, timer, bw, rows, log):
             )
             old_out, old_us = guarded(timer, log, f"old {label} {preset}", old)
             new_out, new_us = guarded(timer, log, f"new {label} {preset}", new)
+            check_rows = sorted({0, B - 1})
+            errs = {
+                name: None
+                if o is None
+                else reference_error(
+                    o, q, cache, bt, seq_lens, cfg, centroids, pit, check_rows
+                )
+                for name, o in (("old", old_out), ("new", new_out))
+            }
             diff = None
             if old_out is not None and new_out is not None:
                 diff = (new_out - old_out).abs().max().item() / (
@@ -348,6 +420,8 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     new_us=new_us,
                     fa_us=fa_us,
                     rel_diff_new_old=diff,
+                    old_err=errs["old"],
+                    new_err=errs["new"],
                     wall_s=round(time.time() - t0, 1),
                 )
             )
@@ -359,7 +433,7 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
     try:
         from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
     except ImportError:
-        log("  sweep skipped: the installed vLLM has no split-KV kernel (patch 0015, withdrawn in release 5)")
+        log("  sweep skipped: no split-KV kernel installed (withdrawn in release 5)")
         return
     for label, hq, hk, D, B, ctx in cases:
         num_blocks, bt, seq_lens = paged_layout(B, ctx)
@@ -524,7 +598,17 @@ def fmt_row(r, bw):
             if r.get("rel_diff_new_old") is not None
             else ""
         )
+        + f" | f64 err old {fmt_err(r.get('old_err'))} new {fmt_err(r.get('new_err'))}"
     )
+
+
+ERR_LIMIT = 1e-2  # bf16 output of an fp32-internal kernel: ~4e-3 at most
+
+
+def fmt_err(x):
+    if x is None:
+        return "n/a"
+    return f"{x:.1e}" + ("" if x <= ERR_LIMIT else " FAIL")  # nan fails too
 
 
 def markdown(meta, rows, bw):
@@ -543,9 +627,10 @@ def markdown(meta, rows, bw):
         (
             "| case | batch x context | KV | MB read | floor µs | FA bf16 µs "
             "| old µs (% BW) "
-            "| new µs (% BW) | FA/new | new vs old | rel. diff new-old |"
+            "| new µs (% BW) | FA/new | FA/old | new vs old | rel. diff new-old "
+            "| f64 err old | f64 err new |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["kind"] != "decode" or r["kv"].startswith("bf16"):
@@ -558,8 +643,10 @@ def markdown(meta, rows, bw):
             f"{fmt_us(old)} ({fmt_pct(pct(r['bytes'], old, bw))}) | "
             f"{fmt_us(new)} ({fmt_pct(pct(r['bytes'], new, bw))}) | "
             f"{f'{fa / new:.2f}x' if fa and new else 'n/a'} | "
+            f"{f'{fa / old:.2f}x' if fa and old else 'n/a'} | "
             f"{f'{old / new:.1f}x' if old and new else 'n/a'} | "
-            f"{'n/a' if diff is None else f'{diff:.1e}'} |"
+            f"{'n/a' if diff is None else f'{diff:.1e}'} | "
+            f"{fmt_err(r.get('old_err'))} | {fmt_err(r.get('new_err'))} |"
         )
     fa_rows = [r for r in rows if r["kind"] == "decode" and r["kv"].startswith("bf16")]
     out += ["", "FA bf16 (% of copy bandwidth on its own bytes):", ""]
@@ -697,7 +784,9 @@ def main():
     (out / f"kernels-{stamp}.json").write_text(
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
-    (out / f"kernels-{stamp}.md").write_text(markdown(meta, rows, bw))
+    md = markdown(meta, rows, bw)
+    (out / f"kernels-{stamp}.md").write_text(md)
+    print(md, flush=True)
     print(f"wrote {out}/kernels-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
 
 

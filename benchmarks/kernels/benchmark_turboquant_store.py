@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant store: 0.20.2's launcher vs the one-launch store (patch 0015)
+vs bf16's ``reshape_and_cache_flash``, in one process, checked on the GPU.
+
+    python benchmarks/kernels/benchmark_turboquant_store.py --quick
+
+For each shape (KV heads x head_dim), token count and preset it prints the
+median time of each store (CUDA events, L2 flushed before every call) twice:
+``eager`` (Python + every launch, as prefill/mixed steps run the store: it is
+a splitting op) and ``graph`` (the same call captured in a CUDA graph and
+replayed, as FULL decode graphs run it: GPU time only), the floor (bytes
+moved / copy bandwidth measured in this run) and a correctness check of both
+TurboQuant stores against a float64 quantizer on the same random bf16 K/V:
+key indices that differ from float64 farther than 1e-6 from a bucket midpoint
+(must be 0), slots byte-identical to 0.20.2's, value bytes identical.
+Keys/values are strided views of one ``qkv`` row, as the model passes them.
+
+Writes store-<time>.json and .md to $OUT or benchmarks/results/ (or --out).
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_turboquant_decode import (  # noqa: E402
+    PAGE,
+    PRESETS,
+    Timer,
+    copy_bandwidth,
+    tq_config,
+    tq_tables,
+)
+
+# (label, query heads, KV heads, head_dim)
+SHAPES = [
+    ("Qwen3-4B", 32, 8, 128),
+    ("Qwen3.6-27B", 24, 4, 256),
+    ("Gemma4-31B-full", 32, 4, 512),
+]
+TOKENS = [1, 64, 512, 8192]
+QUICK_SHAPES = SHAPES[:2]
+QUICK_TOKENS = [64, 8192]
+NEAR = 1e-6
+CHECK_TOKENS = 512  # float64 check on the first tokens (host memory)
+
+
+def qkv_views(n, hq, hk, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(
+        n, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16, generator=g
+    )
+    k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(n, hk, d)
+    return k, v
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph; returns the replay callable."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def check(cfg, k, midpoints, slots, caches, d):
+    """Per store: index flips vs float64 away from ties, and byte equality."""
+    mse = not cfg.key_fp8
+    s = slots.long()
+    rows = {
+        name: c[s // PAGE, s % PAGE].cpu() for name, c in caches.items()
+    }  # [n, hk, slot]
+    kps = cfg.key_packed_size
+    res = dict(
+        same_slots=(rows["new"] == rows["old"]).all(-1).float().mean().item(),
+        same_values=bool(torch.equal(rows["new"][..., kps:], rows["old"][..., kps:])),
+    )
+    if not mse:
+        return res
+    k64 = k.double().cpu()
+    h = torch.tensor([[1.0]], dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    y = (k64 / (k64.norm(dim=-1, keepdim=True) + 1e-8)) @ (h / math.sqrt(d))
+    mids = midpoints.double().cpu()
+    ref = torch.bucketize(y, mids, right=True)
+    gap = (y[..., None] - mids).abs().min(-1).values
+    bits = cfg.key_mse_bits
+    nbytes = math.ceil(d * bits / 8)
+    for name, r in rows.items():
+        b = r[..., :nbytes].long()
+        if bits == 4:
+            idx = torch.stack([b & 0xF, b >> 4], -1).flatten(-2)
+        else:
+            w = b.view(*b.shape[:-1], d // 8, 3)
+            word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16)
+            idx = ((word[..., None] >> (torch.arange(8) * 3)) & 7).flatten(-2)
+        wrong = idx != ref
+        res[f"{name}_flips_far"] = int((wrong & (gap > NEAR)).sum())
+        res[f"{name}_flips_near"] = int((wrong & (gap <= NEAR)).sum())
+    return res
+
+
+def bench(shapes, tokens, presets, timer, bw, rows, log):
+    from vllm._custom_ops import reshape_and_cache_flash
+    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+    try:
+        from vllm.v1.attention.ops.triton_turboquant_store_fused import (
+            turboquant_store,
+        )
+    except ImportError:
+        turboquant_store = None
+        log("  the installed vLLM has no one-launch store (patch 0015): old only")
+
+    for label, hq, hk, d in shapes:
+        for n in tokens:
+            num_blocks = math.ceil(n / PAGE) * 2 + 1
+            k, v = qkv_views(n, hq, hk, d)
+            slots = torch.randperm(num_blocks * PAGE, device="cuda")[:n]
+            kc = torch.empty(num_blocks, PAGE, hk, d, device="cuda", dtype=k.dtype)
+            vc = torch.empty_like(kc)
+            one = torch.ones((), device="cuda")
+            bf16 = functools.partial(
+                reshape_and_cache_flash, k, v, kc, vc, slots, "auto", one, one
+            )
+            in_bytes = n * hk * d * 2 * 2
+            bf16_row = dict(
+                shape=f"{label} {hk}x{d}",
+                tokens=n,
+                kv="bf16",
+                bytes=2 * in_bytes,
+                floor_us=2 * in_bytes / bw * 1e6,
+                old_eager=timer(bf16),
+                old_graph=timer(graphed(bf16)),
+            )
+            rows.append(bf16_row)
+            log(fmt(bf16_row))
+            for preset in presets:
+                t0 = time.time()
+                cfg = tq_config(preset, d)
+                _, midpoints, pit = tq_tables(cfg, d)
+                nbytes = in_bytes + n * hk * cfg.slot_size_aligned
+                caches, row = (
+                    {},
+                    dict(
+                        shape=f"{label} {hk}x{d}",
+                        tokens=n,
+                        kv=preset.removeprefix("turboquant_"),
+                        bytes=nbytes,
+                        floor_us=nbytes / bw * 1e6,
+                        bf16_eager=bf16_row["old_eager"],
+                        bf16_graph=bf16_row["old_graph"],
+                    ),
+                )
+                for name, fn in (
+                    ("old", triton_turboquant_store),
+                    ("new", turboquant_store),
+                ):
+                    if fn is None:
+                        continue
+                    cache = torch.full(
+                        (num_blocks, PAGE, hk, cfg.slot_size_aligned),
+                        0xA5,
+                        dtype=torch.uint8,
+                        device="cuda",
+                    )
+                    run = functools.partial(
+                        fn,
+                        k,
+                        v,
+                        cache,
+                        slots,
+                        pit,
+                        midpoints,
+                        mse_bits=cfg.key_mse_bits,
+                        key_packed_size=cfg.key_packed_size,
+                        value_quant_bits=cfg.effective_value_quant_bits,
+                        key_fp8=cfg.key_fp8,
+                    )
+                    try:
+                        run()
+                        torch.cuda.synchronize()
+                        caches[name] = cache.clone()
+                        row[f"{name}_eager"] = timer(run)
+                        row[f"{name}_graph"] = timer(graphed(run))
+                    except Exception as e:  # noqa: BLE001 - keep the table going
+                        log(f"  {name} {label} {preset}: {type(e).__name__}: {e}")
+                if "old" in caches and "new" in caches:
+                    m = min(n, CHECK_TOKENS)
+                    row.update(check(cfg, k[:m], midpoints, slots[:m], caches, d))
+                row["wall_s"] = round(time.time() - t0, 1)
+                rows.append(row)
+                log(fmt(row))
+
+
+def us(x):
+    return "n/a" if x is None else f"{x:,.1f}"
+
+
+def fmt(r):
+    if r["kv"] == "bf16":
+        return (
+            f"  {r['shape']:20s} {r['tokens']:5d} tok bf16      floor "
+            f"{us(r['floor_us']):>6s} | eager {us(r['old_eager']):>7s} | "
+            f"graph {us(r['old_graph']):>7s}"
+        )
+    ok = (
+        "n/a"
+        if "same_slots" not in r
+        else (
+            f"same slots {r['same_slots']:.2%}, values "
+            f"{'equal' if r['same_values'] else 'DIFFER'}"
+            + (
+                f", flips far old/new {r['old_flips_far']}/{r['new_flips_far']}"
+                f", near {r['old_flips_near']}/{r['new_flips_near']}"
+                if "new_flips_far" in r
+                else ""
+            )
+        )
+    )
+    return (
+        f"  {r['shape']:20s} {r['tokens']:5d} tok {r['kv']:9s} floor "
+        f"{us(r['floor_us']):>6s} | eager old {us(r.get('old_eager')):>7s} "
+        f"new {us(r.get('new_eager')):>7s} bf16 {us(r['bf16_eager']):>6s} | "
+        f"graph old {us(r.get('old_graph')):>7s} new {us(r.get('new_graph')):>7s} "
+        f"bf16 {us(r['bf16_graph']):>6s} | {ok}"
+    )
+
+
+def markdown(meta, rows):
+    out = [
+        f"# TurboQuant store microbenchmark ({meta['time']})",
+        "",
+        (
+            f"Device: {meta['device']}; torch {meta['torch']}, "
+            f"triton {meta['triton']}, vLLM {meta['vllm']}; copy bandwidth "
+            f"{meta['copy_bandwidth_gbs']:,.0f} GB/s. "
+            "µs = median of CUDA events, L2 flushed before each call; eager = Python "
+            "+ launches; graph = the call replayed from a CUDA graph (GPU time). "
+            "old = 0.20.2's `triton_turboquant_store`, new = patch 0015's "
+            "`turboquant_store`. Flips = key indices differing from float64 "
+            "farther than 1e-6 from a midpoint (far, must be 0) / within it (near)."
+        ),
+        "",
+        (
+            "| shape | tokens | KV | floor | eager old | eager new | eager bf16 "
+            "| graph old | graph new | graph bf16 | new/bf16 graph | same slots "
+            "| values | flips far old/new | near old/new |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["kv"] == "bf16":
+            continue
+        ng, bg = r.get("new_graph"), r.get("bf16_graph")
+        same = f"{r['same_slots']:.2%}" if "same_slots" in r else "n/a"
+        values = "n/a"
+        if "same_values" in r:
+            values = "equal" if r["same_values"] else "DIFFER"
+        out.append(
+            f"| {r['shape']} | {r['tokens']} | {r['kv']} | {us(r['floor_us'])} | "
+            f"{us(r.get('old_eager'))} | {us(r.get('new_eager'))} | "
+            f"{us(r['bf16_eager'])} | {us(r.get('old_graph'))} | "
+            f"{us(ng)} | {us(bg)} | "
+            f"{f'{ng / bg:.2f}x' if ng and bg else 'n/a'} | "
+            f"{same} | {values} | "
+            f"{r.get('old_flips_far', '-')}/{r.get('new_flips_far', '-')} | "
+            f"{r.get('old_flips_near', '-')}/{r.get('new_flips_near', '-')} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 shapes x 64/8192 tokens")
+    ap.add_argument("--presets", nargs="*", default=PRESETS)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    import triton
+
+    import vllm
+
+    start = time.time()
+    timer = Timer(args.iters or (10 if args.quick else 25), warmup=2)
+    bw = copy_bandwidth(timer)
+    meta = dict(
+        time=datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        vllm=vllm.__version__,
+        quick=args.quick,
+        copy_bandwidth_gbs=bw / 1e9,
+    )
+    print(f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
+    rows: list[dict] = []
+    try:
+        bench(
+            QUICK_SHAPES if args.quick else SHAPES,
+            QUICK_TOKENS if args.quick else TOKENS,
+            args.presets,
+            timer,
+            bw,
+            rows,
+            lambda s: print(s, flush=True),
+        )
+    except Exception as e:  # noqa: BLE001 - keep what was measured
+        print(f"aborted: {type(e).__name__}: {e}", flush=True)
+        meta["aborted"] = f"{type(e).__name__}: {e}"
+    meta["wall_s"] = round(time.time() - start, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out / f"store-{stamp}.json").write_text(
+        json.dumps(dict(meta=meta, rows=rows), indent=1)
+    )
+    md = markdown(meta, rows)
+    (out / f"store-{stamp}.md").write_text(md)
+    print(md, flush=True)
+    print(f"wrote {out}/store-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
