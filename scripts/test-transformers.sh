@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Config parsing of every tiny and full-size model (tests/models/tiny_hybrids) and
-# Gemma 4's per-layer shapes, under the transformers releases the wheel allows besides
+# Gemma 4's per-layer shapes and engine boot path (config, hash, model class on the
+# meta device, multimodal processor), under the transformers releases the wheel allows besides
 # the test env's own (5.14.1): 5.17.0 (the GPU image's) and 5.23.0 (the newest the
 # wheel's METADATA admits, requirements/wheel-requires.txt). Each release is a small
 # overlay (transformers + tokenizers, --no-deps) put ahead of the test env on
@@ -14,7 +15,8 @@ export HF_HUB_OFFLINE=1
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(5.17.0 5.23.0)
 tests=(tests/models/tiny_hybrids/test_tiny_configs.py)
-for t in tests/transformers_utils/test_per_layer_config.py; do
+for t in tests/transformers_utils/test_per_layer_config.py \
+  tests/model_executor/models/test_gemma4_engine_boot.py; do
   [ -f "$t" ] && tests+=("$t")
 done
 rc=0

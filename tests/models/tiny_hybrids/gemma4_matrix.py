@@ -23,6 +23,12 @@ reports the per-layer backend map (from the model) and the routing log lines.
 continuation, decode; every preset) against float64 attention.
 
     python -m tests.models.tiny_hybrids.gemma4_matrix OUT.json [--reference] [--fa3] [--serve]
+        [--tp N] [--jobs N] [--timeout S]
+
+``--tp 2`` runs every engine (and the server) with tensor_parallel_size 2 on
+two GPUs: the tiny model's head counts shard (query 8, sliding KV 4; the one
+full-attention KV head is replicated, as vLLM does when tp % heads == 0; vision
+2 heads). A case that runs past ``--timeout`` seconds is reported with rc 124.
 
 Run it with the patched wheel and with pristine 0.20.2: on pristine the table
 says which gate stops each case.
@@ -113,9 +119,10 @@ def boot_and_generate(kwargs: dict, multimodal: bool) -> dict:
     return result
 
 
-def engine_kwargs(model: Path, case: dict, multimodal: bool) -> dict:
+def engine_kwargs(model: Path, case: dict, multimodal: bool, tp: int = 1) -> dict:
     kwargs = dict(
         model=str(model),
+        tensor_parallel_size=tp,
         load_format="dummy",
         max_model_len=1024,
         kv_cache_memory_bytes=256 * 2**20,
@@ -134,8 +141,10 @@ def engine_kwargs(model: Path, case: dict, multimodal: bool) -> dict:
     return kwargs
 
 
-def run_engine(name: str, model: Path, case: dict, multimodal: bool) -> dict:
-    kwargs = engine_kwargs(model, case, multimodal)
+def run_engine(
+    name: str, model: Path, case: dict, multimodal: bool, tp: int = 1, timeout: int = 300
+) -> dict:
+    kwargs = engine_kwargs(model, case, multimodal, tp)
     code = (
         "import json,sys;from tests.models.tiny_hybrids.gemma4_matrix import boot_and_generate;"
         "print('RESULT', json.dumps(boot_and_generate(json.loads(sys.argv[1]), sys.argv[2] == '1')))"
@@ -143,11 +152,15 @@ def run_engine(name: str, model: Path, case: dict, multimodal: bool) -> dict:
     # The model in this process, for apply_model.
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     start = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(kwargs), "1" if multimodal else "0"],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    log = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(kwargs), "1" if multimodal else "0"],
+            capture_output=True, text=True, timeout=timeout, env=env,
+        )
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        rc, log = 124, "".join(out) + f"\nTimeoutError: case {name} ran past {timeout} s"
     found = re.findall(r"^RESULT (.*)$", log, re.M)
     # The root cause, not the wrappers the engine re-raises it in.
     errors = [
@@ -157,17 +170,18 @@ def run_engine(name: str, model: Path, case: dict, multimodal: bool) -> dict:
     ] or [ln for ln in log.splitlines() if re.search(r"(Error|Exception):", ln)]
     return {
         "case": name,
-        "rc": proc.returncode,
+        "tp": tp,
+        "rc": rc,
         "seconds": round(time.time() - start, 1),
         **(json.loads(found[-1]) if found else {}),
         "routing": sorted(set(_ROUTE.findall(log))),
         "prefill_path": sorted(set(re.findall(r"TurboQuant prefill for head_size=\d+ uses \w+", log))),
-        "error": errors[0][-400:] if (proc.returncode and errors) else "",
-        "log_tail": "\n".join(log.splitlines()[-30:]) if proc.returncode else "",
+        "error": errors[0][-400:] if (rc and errors) else "",
+        "log_tail": "\n".join(log.splitlines()[-30:]) if rc else "",
     }
 
 
-def run_serve(model: Path, port: int = 8765) -> dict:
+def run_serve(model: Path, port: int = 8765, tp: int = 1, timeout: int = 300) -> dict:
     """`vllm serve` (tq-flag) and one image+text chat request via the OpenAI client."""
     import base64
     import io
@@ -178,19 +192,21 @@ def run_serve(model: Path, port: int = 8765) -> dict:
         "--kv-cache-dtype", TQ, "--attention-backend", "TURBOQUANT",
         "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(256 * 2**20),
         "--limit-mm-per-prompt", '{"image": 1}', "--mm-processor-cache-gb", "0",
-        "--port", str(port),
+        "--port", str(port), "--tensor-parallel-size", str(tp),
     ]
     start = time.time()
     log_file = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    result = {"case": "serve", "rc": 1}
+    result = {"case": "serve", "tp": tp, "rc": 1}
     try:
         from openai import OpenAI
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        while time.time() - start < 600:
+        while True:
             if server.poll() is not None:
-                break
+                raise RuntimeError(f"server exited with {server.returncode} before answering")
+            if time.time() - start > timeout:
+                raise TimeoutError(f"server not up after {timeout} s")
             try:
                 client.models.list()
                 break
@@ -338,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true", help="TurboQuant at head_dim 512 vs float64")
     parser.add_argument("--fa3", action="store_true", help="TurboQuant with FlashAttention 3 (Hopper)")
     parser.add_argument("--serve", action="store_true", help="vllm serve + one OpenAI image+text request")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per engine case / server start")
     args = parser.parse_args(argv)
     import transformers
     import vllm
 
-    report = {"vllm": vllm.__version__, "transformers": transformers.__version__}
+    report = {"vllm": vllm.__version__, "transformers": transformers.__version__, "tp": args.tp}
     print(report, flush=True)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             qwen = write_qwen3(Path(tmp) / "qwen3")
             jobs += [(name, qwen, case, False) for name, case in FA_CASES.items()]
         with ThreadPoolExecutor(args.jobs) as pool:
-            rows = list(pool.map(lambda job: run_engine(*job), jobs))
+            rows = list(pool.map(lambda job: run_engine(*job, args.tp, args.timeout), jobs))
         if args.serve:
-            rows.append(run_serve(gemma))
+            rows.append(run_serve(gemma, tp=args.tp, timeout=args.timeout))
         report["engines"] = rows
         ok = all(r["rc"] == 0 for r in rows)
         if args.fa3:
