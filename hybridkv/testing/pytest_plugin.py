@@ -63,8 +63,9 @@ def pytest_addoption(parser):
         default=None,
         metavar="DIR",
         help="serve hub ids from config-only directories DIR/<org>/<name> (through "
-        "vLLM's VLLM_MODEL_REDIRECT_PATH), so tests that build ModelConfig from a "
-        "hub id run offline. Write --model-redirect-dir=DIR.",
+        "vLLM's VLLM_MODEL_REDIRECT_PATH and a temporary HF_HUB_CACHE), so tests "
+        "that build ModelConfig or EngineArgs from a hub id run offline. Write "
+        "--model-redirect-dir=DIR.",
     )
     parser.getgroup("hybridkv").addoption(
         "--deselect-file",
