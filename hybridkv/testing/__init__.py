@@ -2,6 +2,8 @@
 on a machine without a GPU.
 
 - ``cpu_platform``: a ``vllm.platform_plugins`` entry point that selects vLLM's
-  CpuPlatform, but only when ``HYBRIDKV_TEST_PLATFORM=cpu`` is set.
+  CpuPlatform (``cpu_test_platform.CpuTestPlatform``, which adds what vLLM's
+  GPU-runner tests ask of a device), but only when ``HYBRIDKV_TEST_PLATFORM=cpu``
+  is set.
 - ``pytest_plugin``: load with ``-p hybridkv.testing.pytest_plugin``.
 """

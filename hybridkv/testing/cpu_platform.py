@@ -9,7 +9,8 @@ is set: a real GPU deployment keeps its built-in CUDA platform.
 With ``HYBRIDKV_TEST_PLATFORM=cpu`` it wins over the built-in plugins (an
 activated out-of-tree plugin takes precedence), which turns vLLM's
 ``UnspecifiedPlatform`` on a GPU-less box (CUDA wheel of vLLM, CPU torch) into
-``CpuPlatform``. That fixes "Failed to infer device type" and the teardown
+``CpuPlatform`` (its subclass ``cpu_test_platform.CpuTestPlatform``). That fixes
+"Failed to infer device type" and the teardown
 ``torch.accelerator.empty_cache()`` errors in vLLM's tests/conftest.py.
 
 Keep this module import-free: vLLM imports it while resolving the platform.
@@ -18,7 +19,7 @@ Keep this module import-free: vLLM imports it while resolving the platform.
 import os
 
 ENV_VAR = "HYBRIDKV_TEST_PLATFORM"
-CPU_PLATFORM = "vllm.platforms.cpu.CpuPlatform"
+CPU_PLATFORM = "hybridkv.testing.cpu_test_platform.CpuTestPlatform"
 
 
 def cpu_platform_plugin() -> str | None:

@@ -43,6 +43,8 @@ PLATFORM_ENV = "HYBRIDKV_TEST_PLATFORM"
 INTERPRET_ENV = "HYBRIDKV_TRITON_INTERPRET"
 _ENTRY_POINT_MODULE = "hybridkv.testing.cpu_platform"
 _TRUE = {"1", "true", "yes", "on"}
+# The commit the stand-in hub cache says `main` points at (any 40 hex digits).
+_STAND_IN_COMMIT = "0" * 40
 
 # Filled by _setup(); read by hooks and fixtures.
 _state: dict = {"done": False, "cuda": False, "interpret_error": None}
@@ -61,8 +63,9 @@ def pytest_addoption(parser):
         default=None,
         metavar="DIR",
         help="serve hub ids from config-only directories DIR/<org>/<name> (through "
-        "vLLM's VLLM_MODEL_REDIRECT_PATH), so tests that build ModelConfig from a "
-        "hub id run offline. Write --model-redirect-dir=DIR.",
+        "vLLM's VLLM_MODEL_REDIRECT_PATH and a temporary HF_HUB_CACHE), so tests "
+        "that build ModelConfig or EngineArgs from a hub id run offline. Write "
+        "--model-redirect-dir=DIR.",
     )
     parser.getgroup("hybridkv").addoption(
         "--deselect-file",
@@ -131,10 +134,11 @@ def _setup(config) -> None:
     os.environ.setdefault(PLATFORM_ENV, "cpu")
     if os.environ[PLATFORM_ENV].strip().lower() == "cpu" and not _entry_point_active():
         import vllm.platforms
-        from vllm.platforms.cpu import CpuPlatform
+
+        from hybridkv.testing.cpu_test_platform import CpuTestPlatform
 
         if vllm.platforms._current_platform is None:
-            vllm.platforms._current_platform = CpuPlatform()
+            vllm.platforms._current_platform = CpuTestPlatform()
 
     if getattr(torch.version, "hip", None) is None:
         sys.meta_path.insert(0, _BlockRocmPlatform())
@@ -158,6 +162,21 @@ def _redirect_models(root: str) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(mapping, f)
     os.environ["VLLM_MODEL_REDIRECT_PATH"] = path
+    # EngineArgs resolves the hub id before ModelConfig applies the redirect:
+    # with HF_HUB_OFFLINE it asks the hub cache (snapshot_download,
+    # local_files_only). A cache holding the same directories answers it.
+    cache = Path(tempfile.mkdtemp(prefix="hybridkv-hub-cache-"))
+    for repo_id, folder in mapping.items():
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        snapshot = repo / "snapshots" / _STAND_IN_COMMIT
+        snapshot.mkdir(parents=True)
+        for file in Path(folder).iterdir():
+            (snapshot / file.name).symlink_to(file)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(_STAND_IN_COMMIT)
+    os.environ["HF_HUB_CACHE"] = str(cache)
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_CACHE = str(cache)
 
 
 def _entry_point_active() -> bool:

@@ -84,3 +84,30 @@ def test_readme_kv_capacity_command_runs_as_written(tmp_path):
     assert "layer KV dtypes: {'turboquant_4bit_nc': 16}" in out.stdout
     assert re.search(r"KV cache: [\d,]+ tokens", out.stdout)
     assert "TURBOQUANT" in out.stdout
+
+
+def _version_command() -> str:
+    for block in _blocks():
+        for line in block.splitlines():
+            if line.startswith("vllm --version"):
+                return line.split("#", 1)[0].strip()
+    raise AssertionError("README has no ``` block line starting with `vllm --version`")
+
+
+@pytest.mark.skipif(
+    not (Path(sys.executable).parent / "vllm").exists(),
+    reason="no `vllm` console script beside this Python",
+)
+def test_readme_version_command_runs_without_a_gpu():
+    """As after a plain install on a host where vLLM detects no platform:
+    no platform hint, CUDA hidden (0.20.2: "Failed to infer device type")."""
+    import importlib.metadata
+
+    argv = shlex.split(_version_command())
+    argv[0] = str(Path(sys.executable).parent / "vllm")
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDKV_TEST_PLATFORM"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Out-of-tree platform plugins (this repo's, when installed) are listed first.
+    assert out.stdout.splitlines()[-1] == importlib.metadata.version("vllm")
