@@ -84,3 +84,19 @@ def gemma4_head_dims(config: Any) -> tuple[int | None, int | None]:
         return sliding, None
     full = gemma4_layer_shape(config, layer_types.index("full_attention"))[0]
     return sliding, full
+
+
+def configs_differ(a: Any, b: Any) -> bool:
+    """``a != b`` for two transformers configs, per-layer ones included.
+
+    transformers' dataclass ``__eq__`` reads every field of two configs of the
+    same class, ``head_dim``/``num_key_value_heads`` too, and so raises on
+    per-layer configs; e.g. vLLM compares an inner model's ``hf_config`` (a
+    copy of the text config) with its ``hf_text_config``. Per-layer configs
+    are compared by their serialized form, which holds the overrides.
+    """
+    if a is b:
+        return False
+    if not (is_per_layer(a) or is_per_layer(b)):
+        return a != b
+    return type(a) is not type(b) or a.to_dict() != b.to_dict()

@@ -257,21 +257,38 @@ _KV_HEADS = (
 )
 
 
+def _layer_config(text_config: Any, i: int) -> Any:
+    # transformers >= 5.15 keeps attention shapes that differ per layer (Gemma
+    # 4's head_dim / KV heads) in per_layer_config; reading the global
+    # attribute then raises AmbiguousGlobalPerLayerAttributeError.
+    if getattr(text_config, "is_heterogeneous", False):
+        return text_config.per_layer_config[i]
+    return text_config
+
+
+def _values(text_config: Any, attr: str) -> list[Any]:
+    """``attr`` of ``text_config``: every layer's value where it is per-layer."""
+    if attr in (getattr(text_config, "per_layer_attributes", None) or ()):
+        layers = text_config.per_layer_config
+        return sorted({getattr(layer, attr) for layer in layers}, reverse=True)
+    return [getattr(text_config, attr, None)]
+
+
 def tensor_parallel_problems(text_config: Any, tp: int) -> list[str]:
     problems = []
     for attr, what in _SHARDED:
-        value = getattr(text_config, attr, None)
-        if isinstance(value, int) and value > 0 and value % tp:
-            problems.append(f"{attr}={value} ({what}) is not a multiple of {tp}")
+        for value in _values(text_config, attr):
+            if isinstance(value, int) and value > 0 and value % tp:
+                problems.append(f"{attr}={value} ({what}) is not a multiple of {tp}")
     for attr, what in _KV_HEADS:
-        value = getattr(text_config, attr, None)
-        if not (isinstance(value, int) and value > 0):
-            continue
-        if (value >= tp and value % tp) or (value < tp and tp % value):
-            problems.append(
-                f"{attr}={value} ({what}) can be neither split evenly over {tp} "
-                f"ranks nor replicated ({tp} is not a multiple of {value})"
-            )
+        for value in _values(text_config, attr):
+            if not (isinstance(value, int) and value > 0):
+                continue
+            if (value >= tp and value % tp) or (value < tp and tp % value):
+                problems.append(
+                    f"{attr}={value} ({what}) can be neither split evenly over {tp} "
+                    f"ranks nor replicated ({tp} is not a multiple of {value})"
+                )
     return problems
 
 
@@ -398,15 +415,20 @@ def layer_geometry(
     layers = []
     for i, kind in enumerate(types_):
         attn = f"{prefix}.{i}.self_attn.attn"
+        layer = _layer_config(text, i)
         if kind in ("linear_attention", "mamba"):
             layers.append(LayerGeometry(f"{prefix}.{i}.linear_attn", "mamba"))
         elif kind == "sliding_attention":
-            heads = per_rank(text.num_key_value_heads)
+            heads = per_rank(layer.num_key_value_heads)
             layers.append(
                 LayerGeometry(
-                    attn, "sliding", heads, text.head_dim, text.sliding_window
+                    attn, "sliding", heads, layer.head_dim, text.sliding_window
                 )
             )
+        elif layer is not text:
+            # Per-layer config: the full layer's own heads and head_dim.
+            heads = per_rank(layer.num_key_value_heads)
+            layers.append(LayerGeometry(attn, "full", heads, layer.head_dim))
         elif getattr(text, "global_head_dim", None):
             # Gemma 4: full-attention layers have their own heads and head_dim.
             heads = (

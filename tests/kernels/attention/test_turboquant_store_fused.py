@@ -1,0 +1,220 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The one-launch TurboQuant store writes what 0.20.2's store writes.
+
+Reference: a float64 PyTorch quantizer (norm, normalize, Hadamard rotation,
+bucketize) and 0.20.2's own store (``triton_turboquant_store``, external
+GEMM). Value bytes must equal 0.20.2's byte for byte, and so must whole
+slots whose key has no coordinate near a midpoint; key indices must equal
+the float64 reference except for coordinates within ``NEAR`` of a bucket
+midpoint (both stores round the rotation in fp32, in different orders); the
+fp16 norm must be float64's norm rounded to fp16 except near a rounding tie.
+Keys and values are strided views of one ``qkv`` row, the cache has padded
+pages of an odd size, and some slots are -1. Runs under the Triton CPU
+interpreter (``HYBRIDKV_TRITON_INTERPRET=1``, fp32) and natively on a GPU
+(bf16 inputs there too). FP8 keys (k8v4): the strided kernel's bytes equal
+0.20.2's exactly.
+"""
+
+import math
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+from vllm.v1.attention.ops.triton_turboquant_store_fused import (
+    turboquant_store,
+    turboquant_store_hadamard,
+)
+
+MSE_PRESETS = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS, NUM_Q_HEADS, NUM_KV_HEADS = 16, 3, 24, 4, 2
+SENTINEL = 0xA5
+# fp32 rotation error bound for unit vectors (a few ulps of the coordinate
+# sums); the float64 reference decides every coordinate farther than this.
+NEAR = 1e-6
+
+
+def _hadamard(d: int) -> torch.Tensor:
+    h = torch.tensor([[1.0]])
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def _qkv(d: int, dtype, device, seed: int):
+    """Keys/values as the model hands them in: views into one qkv row."""
+    g = torch.Generator().manual_seed(seed)
+    width = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * d
+    qkv = torch.randn(NUM_TOKENS, width, generator=g).to(dtype).to(device)
+    q_end, k_end = NUM_Q_HEADS * d, (NUM_Q_HEADS + NUM_KV_HEADS) * d
+    k = qkv[:, q_end:k_end].view(NUM_TOKENS, NUM_KV_HEADS, d)
+    v = qkv[:, k_end:].view(NUM_TOKENS, NUM_KV_HEADS, d)
+    return k, v
+
+
+def _padded_cache(slot: int, device: str, pad: int):
+    """[blocks, block_size, heads, slot] view of pages of an odd byte size."""
+    real = BLOCK_SIZE * NUM_KV_HEADS * slot
+    page = real + pad
+    flat = torch.full((NUM_BLOCKS * page,), SENTINEL, dtype=torch.uint8, device=device)
+    cache = torch.as_strided(
+        flat,
+        (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, slot),
+        (page, NUM_KV_HEADS * slot, slot, 1),
+    )
+    return flat, cache, real, page
+
+
+def _slots(device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=g)[:NUM_TOKENS]
+    slots[::7] = -1  # padded batch rows: nothing stored
+    return slots.to(torch.int64).to(device)
+
+
+def _unpack_indices(cache_rows: torch.Tensor, d: int, bits: int) -> torch.Tensor:
+    """[..., mse_bytes] uint8 -> [..., d] int64 indices."""
+    b = cache_rows.to(torch.int64)
+    if bits == 4:
+        return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    words = b.view(*b.shape[:-1], d // 8, 3)
+    word = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16)
+    shifts = torch.arange(8) * 3
+    return ((word[..., None] >> shifts) & 7).flatten(-2)
+
+
+def _reference(k: torch.Tensor, midpoints: torch.Tensor):
+    """float64 rotation, indices, distance to the nearest midpoint, norms."""
+    k64 = k.double().cpu()
+    norm = k64.norm(dim=-1, keepdim=True)
+    y = (k64 / (norm + 1e-8)) @ _hadamard(k.shape[-1]).double()
+    mids = midpoints.double().cpu()
+    idx = torch.bucketize(y, mids, right=True)
+    gap = (y[..., None] - mids).abs().min(dim=-1).values
+    return idx, gap, norm.squeeze(-1)
+
+
+def _stored(flat, cache, slots, d, cfg):
+    """Per (token, head) the slot bytes; rows of skipped tokens dropped."""
+    keep = slots.cpu() >= 0
+    s = slots.cpu()[keep]
+    rows = cache.cpu()[s // BLOCK_SIZE, s % BLOCK_SIZE]  # [n, heads, slot]
+    mse_bytes = math.ceil(d * cfg.key_mse_bits / 8)
+    idx = _unpack_indices(rows[..., :mse_bytes], d, cfg.key_mse_bits)
+    norm_bits = rows[..., mse_bytes].to(torch.int32) | (
+        rows[..., mse_bytes + 1].to(torch.int32) << 8
+    )
+    norm = norm_bits.to(torch.int16).view(torch.float16).double()
+    return keep, rows, idx, norm
+
+
+def _store_both(preset, d, dtype, device, seed):
+    cfg = TurboQuantConfig.from_cache_dtype(preset, d)
+    k, v = _qkv(d, dtype, device, seed)
+    slots = _slots(device, seed)
+    centroids, _ = get_centroids(d, cfg.centroid_bits).float().sort()
+    midpoints = ((centroids[:-1] + centroids[1:]) / 2).to(device)
+    pit = _hadamard(d).to(device)
+    out = {}
+    for name, fn in (("old", triton_turboquant_store), ("new", turboquant_store)):
+        flat, cache, real, page = _padded_cache(cfg.slot_size_aligned, device, pad=37)
+        fn(
+            k,
+            v,
+            cache,
+            slots,
+            pit,
+            midpoints,
+            mse_bits=cfg.key_mse_bits,
+            key_packed_size=cfg.key_packed_size,
+            value_quant_bits=cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8,
+        )
+        out[name] = (flat, cache, real, page)
+    return cfg, k, slots, midpoints, out
+
+
+def _check_keys(name, idx, norm, ref_idx, gap, ref_norm):
+    wrong = idx != ref_idx
+    assert not (wrong & (gap > NEAR)).any(), (
+        f"{name}: {int((wrong & (gap > NEAR)).sum())} key indices differ from the "
+        f"float64 reference farther than {NEAR} from a midpoint "
+        f"(max gap {gap[wrong].max().item():.3g})"
+    )
+    ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.floor(torch.log2(ref_norm))
+    err = (norm - ref_norm).abs() / ulp
+    assert (err <= 0.5 + 1e-3).all(), (
+        f"{name}: fp16 norm off by up to {err.max().item():.3f} ulp from float64"
+    )
+    return int(wrong.sum())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("preset", MSE_PRESETS)
+def test_fused_store_matches_0202_and_float64(preset, head_dim, triton_device):
+    device = triton_device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    flips = {}
+    for seed in range(2):
+        cfg, k, slots, midpoints, out = _store_both(
+            preset, head_dim, dtype, device, seed
+        )
+        keep = slots.cpu() >= 0
+        ref_idx, gap, ref_norm = _reference(k[keep.to(k.device)], midpoints)
+        rows = {}
+        for name, (flat, cache, real, page) in out.items():
+            pages = flat.cpu().view(NUM_BLOCKS, page)
+            assert (pages[:, real:] == SENTINEL).all(), f"{name} wrote into padding"
+            _, rows[name], idx, norm = _stored(flat, cache, slots, head_dim, cfg)
+            flips[name] = flips.get(name, 0) + _check_keys(
+                name, idx, norm, ref_idx, gap, ref_norm
+            )
+        # Values: 0.20.2's routine on the same fp32 inputs, byte for byte.
+        kps = cfg.key_packed_size
+        assert torch.equal(rows["new"][..., kps:], rows["old"][..., kps:])
+        # Keys away from ties (no coordinate within NEAR of a midpoint, norm
+        # not at an fp16 rounding tie): byte for byte too.
+        ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.floor(torch.log2(ref_norm))
+        frac = torch.frac(ref_norm / ulp)
+        clear = (gap > NEAR).all(dim=-1) & ((frac - 0.5).abs() > 1e-3)
+        assert clear.float().mean() > 0.5, "too few tie-free rows to compare"
+        assert torch.equal(rows["new"][clear], rows["old"][clear])
+        # Untouched slots (skipped tokens, other positions) stay as they were.
+        written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+        written[slots.cpu()[keep]] = True
+        for name, (flat, cache, real, page) in out.items():
+            untouched = cache.cpu().reshape(NUM_BLOCKS * BLOCK_SIZE, -1)[~written]
+            assert (untouched == SENTINEL).all(), f"{name} wrote an unmapped slot"
+    # Near-tie flips are rare: at most a few per mille of the coordinates.
+    total = 2 * int(keep.sum()) * NUM_KV_HEADS * head_dim
+    assert flips["new"] <= max(2, total // 500), flips
+
+
+def test_fused_store_refuses_shapes_it_cannot_rotate():
+    k = torch.zeros(1, 1, 96)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        turboquant_store_hadamard(
+            k,
+            k,
+            torch.zeros(1, 16, 1, 64, dtype=torch.uint8),
+            torch.zeros(1),
+            k,
+            k,
+            mse_bits=4,
+            key_packed_size=50,
+            value_quant_bits=4,
+        )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_keys_from_strided_views_equal_0202_bytes(head_dim, triton_device):
+    """k8v4: the strided kernel writes 0.20.2's bytes without copying the views."""
+    device = triton_device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    _, _, _, _, out = _store_both("turboquant_k8v4", head_dim, dtype, device, seed=5)
+    (old, _, real, page), (new, _, _, _) = out["old"], out["new"]
+    assert torch.equal(new, old)
+    assert (old.view(NUM_BLOCKS, page)[:, :real] != SENTINEL).any()

@@ -1,0 +1,344 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant MSE-key store in one kernel launch.
+
+0.20.2's MSE store runs six PyTorch ops before its kernel (``key.float()``,
+the norm, ``+ 1e-8``, the division, an fp32 ``x_hat @ PiT`` GEMM and
+``value.float()``), each a launch and an fp32 temporary. A decode step of 64
+tokens is then dominated by launches: ~30x bf16's single store kernel in an
+eager timing, and seven kernels per layer inside a CUDA graph.
+
+The backend's rotation is the Sylvester Hadamard matrix scaled by
+``1/sqrt(D)`` (``turboquant_attn._build_hadamard``), so here the rotation is a
+fast Walsh-Hadamard transform in registers (``log2(D)`` add/subtract stages,
+no ``D x D`` matrix read) and everything else happens in the same program:
+norm, normalization, rotation, bucketize, packing, norm and value store. Keys
+and values are read in the model dtype through their strides (the ``qkv``
+split hands in views).
+
+Numerics follow 0.20.2's order: fp32 norm (IEEE square root), ``x / (norm +
+1e-8)`` with an IEEE division, then the rotation, whose entries are the
+scaled matrix's own fp32 value ``PiT[0, 0]``. The rotation's summation order
+differs from cuBLAS's (which 0.20.2 itself does not fix), so a key
+coordinate within a few fp32 ulps of a bucket midpoint may land in the
+neighbouring bucket; everything else (indices elsewhere, the fp16 norm up to
+its own rounding, value bytes through 0.20.2's own value routine) is what
+0.20.2 stores.
+
+FP8 keys (k8v4) were one kernel already, but 0.20.2 copies the strided
+``qkv`` views first; ``_tq_store_fp8_strided`` is the same per-element cast
+and value routine reading the views in place (bytes equal to 0.20.2's).
+"""
+
+import math
+
+import torch
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15
+from vllm.v1.attention.ops.triton_turboquant_store import (
+    _store_quantized_value,
+    triton_turboquant_store,
+)
+
+
+@triton.jit
+def _hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Unnormalized Sylvester Hadamard transform of a [D] vector.
+
+    Each stage pairs neighbours (the lowest index bit), writes sums to the
+    first half and differences to the second: the index bits rotate right
+    by one, so after log2(D) stages every bit was paired once and the order
+    is natural again.
+    """
+    for _ in tl.static_range(LOG2_D):
+        a, b = tl.split(tl.reshape(x, [D // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), [D])
+    return x
+
+
+@triton.jit
+def _tq_store_mse_hadamard(
+    Key_ptr,
+    Value_ptr,
+    PiT_ptr,  # only PiT[0, 0] is read: the scaled Hadamard entry
+    Midpoints_ptr,
+    KV_cache_ptr,
+    Slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_block,
+    stride_cache_pos,
+    stride_cache_head,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MSE_BITS: tl.constexpr,
+    MSE_BYTES: tl.constexpr,
+    KPS: tl.constexpr,
+    VQB: tl.constexpr,
+    VAL_DATA_BYTES: tl.constexpr,
+    BLOCK_VAL: tl.constexpr,
+    BLOCK_GRP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    token = pid // H
+    head = pid % H
+    slot = tl.load(Slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    slot_base = (
+        (slot // BLOCK_SIZE).to(tl.int64) * stride_cache_block
+        + (slot % BLOCK_SIZE).to(tl.int64) * stride_cache_pos
+        + head.to(tl.int64) * stride_cache_head
+    )
+    token64 = token.to(tl.int64)
+    d = tl.arange(0, D)
+
+    k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d).to(tl.float32)
+    norm = tl.sqrt_rn(tl.sum(k * k, axis=0))
+    x = tl.div_rn(k, tl.zeros([D], tl.float32) + (norm + 1e-8))
+    y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
+
+    # Bucket = number of (sorted) midpoints <= y: the insertion point
+    # 0.20.2's binary search finds, from uniform scalar loads instead of
+    # MSE_BITS gathers per coordinate.
+    idx = tl.zeros([D], tl.int32)
+    for j in tl.static_range(2**MSE_BITS - 1):
+        idx += (y >= tl.load(Midpoints_ptr + j)).to(tl.int32)
+
+    if MSE_BITS == 4:
+        lo, hi = tl.split(tl.reshape(idx, [D // 2, 2]))
+        tl.store(
+            KV_cache_ptr + slot_base + tl.arange(0, D // 2),
+            (lo | (hi << 4)).to(tl.uint8),
+        )
+    else:  # 3 bits: 8 indices -> 24 bits -> 3 bytes, little endian
+        groups = tl.reshape(idx, [D // 8, 8])
+        word = tl.sum(groups << (tl.arange(0, 8) * 3)[None, :], axis=1)
+        g = tl.arange(0, D // 8) * 3
+        for byte in tl.static_range(3):
+            tl.store(
+                KV_cache_ptr + slot_base + g + byte,
+                ((word >> (8 * byte)) & 0xFF).to(tl.uint8),
+            )
+
+    # fp16 norm, byte by byte: slots may start at odd addresses.
+    bits = norm.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    two = tl.arange(0, 2)
+    tl.store(
+        KV_cache_ptr + slot_base + MSE_BYTES + two,
+        ((bits >> (two * 8)) & 0xFF).to(tl.uint8),
+    )
+
+    _store_quantized_value(
+        Value_ptr,
+        KV_cache_ptr,
+        token64 * stride_vt + head * stride_vh,
+        slot_base,
+        d,
+        d < D,
+        D=D,
+        KPS=KPS,
+        VQB=VQB,
+        VAL_DATA_BYTES=VAL_DATA_BYTES,
+        BLOCK_D=D,
+        BLOCK_VAL=BLOCK_VAL,
+        BLOCK_GRP=BLOCK_GRP,
+    )
+
+
+@triton.jit
+def _tq_store_fp8_strided(
+    Key_ptr,
+    Value_ptr,
+    KV_cache_ptr,
+    Slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_block,
+    stride_cache_pos,
+    stride_cache_head,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KPS: tl.constexpr,
+    VQB: tl.constexpr,
+    VAL_DATA_BYTES: tl.constexpr,
+    BLOCK_VAL: tl.constexpr,
+    BLOCK_GRP: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+):
+    """FP8 keys: 0.20.2's per-element cast, from strided rows (no copies)."""
+    pid = tl.program_id(0)
+    token = pid // H
+    head = pid % H
+    slot = tl.load(Slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    slot_base = (
+        (slot // BLOCK_SIZE).to(tl.int64) * stride_cache_block
+        + (slot % BLOCK_SIZE).to(tl.int64) * stride_cache_pos
+        + head.to(tl.int64) * stride_cache_head
+    )
+    token64 = token.to(tl.int64)
+    d = tl.arange(0, D)
+    k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d)
+    k8 = k.to(tl.float8e4b15) if FP8_E4B15 else k.to(tl.float8e4nv)
+    tl.store(KV_cache_ptr + slot_base + d, k8.to(tl.uint8, bitcast=True))
+    _store_quantized_value(
+        Value_ptr,
+        KV_cache_ptr,
+        token64 * stride_vt + head * stride_vh,
+        slot_base,
+        d,
+        d < D,
+        D=D,
+        KPS=KPS,
+        VQB=VQB,
+        VAL_DATA_BYTES=VAL_DATA_BYTES,
+        BLOCK_D=D,
+        BLOCK_VAL=BLOCK_VAL,
+        BLOCK_GRP=BLOCK_GRP,
+    )
+
+
+def _num_warps(head_dim: int) -> int:
+    # One program per (token, head); a few values per thread, and small
+    # programs so that a prefill chunk keeps many of them resident per SM.
+    return max(1, min(4, head_dim // 128))
+
+
+def turboquant_store_hadamard(
+    key: torch.Tensor,  # [N, H, D] model dtype; last dim contiguous
+    value: torch.Tensor,  # [N, H, D]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, H, slot] uint8, strided
+    slot_mapping: torch.Tensor,  # [N] int32/int64, -1 = skip
+    PiT: torch.Tensor,  # [D, D] Sylvester Hadamard / sqrt(D), float32
+    midpoints: torch.Tensor,  # [2**mse_bits - 1] float32, sorted
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    num_warps: int | None = None,
+) -> None:
+    """Store MSE-quantized keys and uniform-quantized values in one launch.
+
+    ``PiT`` must be the scaled Sylvester Hadamard matrix the TurboQuant
+    backend builds; only its [0, 0] entry is read (on the device).
+    """
+    N, H, D = key.shape
+    if D & (D - 1) or D < 16 or mse_bits not in (3, 4):
+        raise ValueError(
+            "the fused TurboQuant store needs a power-of-two head_dim >= 16 and "
+            f"3- or 4-bit MSE keys, got head_dim={D}, mse_bits={mse_bits}; "
+            "use triton_turboquant_store for other shapes"
+        )
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    _tq_store_mse_hadamard[(N * H,)](
+        key,
+        value,
+        PiT,
+        midpoints,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        D=D,
+        LOG2_D=D.bit_length() - 1,
+        H=H,
+        BLOCK_SIZE=kv_cache.shape[1],
+        MSE_BITS=mse_bits,
+        MSE_BYTES=math.ceil(D * mse_bits / 8),
+        KPS=key_packed_size,
+        VQB=value_quant_bits,
+        VAL_DATA_BYTES=math.ceil(D * value_quant_bits / 8),
+        BLOCK_VAL=triton.next_power_of_2(math.ceil(D * value_quant_bits / 8)),
+        BLOCK_GRP=D // 8,
+        num_warps=num_warps or _num_warps(D),
+        num_stages=1,
+    )
+
+
+def turboquant_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    PiT: torch.Tensor,
+    midpoints: torch.Tensor,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool = False,
+) -> None:
+    """The backend's store: ``triton_turboquant_store``'s arguments, with
+    ``PiT`` the backend's scaled Hadamard matrix. MSE keys take the fused
+    kernel, FP8 keys a strided copy of 0.20.2's kernel (the ``qkv`` views
+    are not copied first); other shapes take 0.20.2's launcher."""
+    N, H, D = key.shape
+    pow2 = D >= 16 and not D & (D - 1)
+    if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
+        val_bytes = math.ceil(D * value_quant_bits / 8)
+        _tq_store_fp8_strided[(N * H,)](
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            D=D,
+            H=H,
+            BLOCK_SIZE=kv_cache.shape[1],
+            KPS=key_packed_size,
+            VQB=value_quant_bits,
+            VAL_DATA_BYTES=val_bytes,
+            BLOCK_VAL=triton.next_power_of_2(val_bytes),
+            BLOCK_GRP=D // 8,
+            FP8_E4B15=_use_fp8_e4b15(key.device.index or 0),
+            num_warps=4,
+            num_stages=1,
+        )
+        return
+    if key_fp8 or not pow2 or mse_bits not in (3, 4):
+        triton_turboquant_store(
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            PiT,
+            midpoints,
+            mse_bits=mse_bits,
+            key_packed_size=key_packed_size,
+            value_quant_bits=value_quant_bits,
+            key_fp8=key_fp8,
+        )
+        return
+    turboquant_store_hadamard(
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        PiT,
+        midpoints,
+        mse_bits=mse_bits,
+        key_packed_size=key_packed_size,
+        value_quant_bits=value_quant_bits,
+    )
