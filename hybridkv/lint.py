@@ -4,7 +4,9 @@ ruff (the version vLLM 0.20.2 pins in .pre-commit-config.yaml) with vLLM
 0.20.2's own configuration (the sdist's pyproject.toml): ``ruff check`` and
 ``ruff format`` over every overlay module and every test file the patches
 ship, and, for the upstream files the series hooks, over the lines the series
-adds (a hooked file is judged on our lines, not on upstream's).
+adds (a hooked file is judged on our lines, not on upstream's). The
+repository's own Python outside the series (tiny model builders, hybridkv's
+tests, benchmarks, the lm-eval harness) is held to the same configuration.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.series import Series
 
 RUFF_VERSION = "0.14.0"  # vLLM 0.20.2's .pre-commit-config.yaml
+
+# Not shipped by any patch, but run by CI and read by reviewers next to the
+# series, so they follow the style the patches do.
+REPO_DIRS = (
+    "tests/models/tiny_hybrids",
+    "tests/hybridkv",
+    "benchmarks",
+    ".buildkite/lm-eval-harness",
+)
 
 
 def _ruff() -> list[str]:
@@ -110,11 +121,15 @@ def lint(series: Series, log=print) -> int:
     problems: list[str] = []
     own = [series.repo / f for p in series.patches for f in p.listed("Overlay") + p.listed("Tests")]
     own = [f for f in own if f.suffix == ".py"]
-    for d in _check(ruff, config, own, series.repo):
+    repo_files = sorted(
+        {f for d in REPO_DIRS for f in (series.repo / d).rglob("*.py")
+         if "__pycache__" not in f.parts} - set(own)
+    )
+    for d in _check(ruff, config, own + repo_files, series.repo):
         rel = Path(d["filename"]).relative_to(series.repo)
         loc = d["location"]
         problems.append(f"{rel}:{loc['row']}:{loc['column']}: {d['code']} {d['message']}")
-    for name in _hunks_by_file(_format_diff(ruff, config, own, series.repo)):
+    for name in _hunks_by_file(_format_diff(ruff, config, own + repo_files, series.repo)):
         problems.append(f"{name}: not `ruff format`-clean (run ruff format --config {config})")
     with tempfile.TemporaryDirectory(prefix="hybridkv-lint-") as tmp:
         hooked: dict[Path, set[int]] = {}
@@ -164,6 +179,7 @@ def lint(series: Series, log=print) -> int:
     if problems:
         log(f"FAILED LINT: {len(problems)} problems (ruff {RUFF_VERSION}, vLLM 0.20.2's config)")
         return 1
-    log(f"Lint clean: {len(own)} overlay and test files, {len(hooked)} hooked files "
+    log(f"Lint clean: {len(own)} overlay and test files, {len(repo_files)} repo-level "
+        f"files, {len(hooked)} hooked files "
         f"(ruff {RUFF_VERSION}, vLLM 0.20.2's config)")
     return 0

@@ -87,9 +87,8 @@ def run_child(spec: dict) -> dict:
     """One engine, every scenario of the spec; returns per-scenario figures."""
     import random
 
-    from vllm.inputs import TokensPrompt
-
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     sys.path.insert(0, str(REPO))
     from tests.models.tiny_hybrids.shapes import load_full_size, write_full_size_config

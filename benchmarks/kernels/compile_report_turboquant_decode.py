@@ -36,6 +36,7 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )

@@ -13,7 +13,8 @@ from hybridkv.series import load_series
 
 @pytest.fixture(scope="session")
 def pristine_root() -> Path:
-    """The pristine wheel, unpacked (fetched from PyPI once if this checkout has none)."""
+    """The pristine wheel, unpacked (fetched from PyPI once if this checkout has
+    none)."""
     if not (pristine_wheel_dir() / ".from").exists():
         unpack(fetch())
     return pristine_wheel_dir()

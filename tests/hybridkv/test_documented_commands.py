@@ -7,10 +7,10 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from hybridkv.base import REPO, load_base
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from hybridkv.base import load_base
 from hybridkv import tree
+from hybridkv.base import load_base
 from hybridkv.tree import MANIFEST, Refusal, plan, report, write
 
 
@@ -64,13 +64,16 @@ def test_an_overlay_path_taken_by_upstream_fails(small_tree, series):
 
 def _snapshot(root):
     return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
 def test_check_finds_a_deleted_overlay_module(small_tree, series):
     write(plan(small_tree, series), series, load_base())
-    rel = "vllm/v1/core/kv_cache_page_unify.py"  # imported by 0004's hook in kv_cache_utils
+    # Imported by 0004's hook in kv_cache_utils.
+    rel = "vllm/v1/core/kv_cache_page_unify.py"
     (small_tree / rel).unlink()
     pl = plan(small_tree, series)
     lines = []
@@ -102,7 +105,9 @@ def test_check_finds_a_missing_or_stale_manifest(small_tree, series):
     manifest.write_text(json.dumps(data))
     assert any(p.startswith("overlay-extra") for p in plan(small_tree, series).problems)
     manifest.unlink()
-    assert any(p.startswith("manifest-missing") for p in plan(small_tree, series).problems)
+    assert any(
+        p.startswith("manifest-missing") for p in plan(small_tree, series).problems
+    )
 
 
 @pytest.mark.parametrize("fail_at", ["stage", "commit"])
@@ -119,7 +124,9 @@ def test_apply_is_all_or_nothing(small_tree, series, monkeypatch, fail_at):
         return real(*args)
 
     monkeypatch.setattr(tree, f"_{fail_at}", flaky)
-    with pytest.raises(tree.ApplyError, match="No space left on device.*Nothing was changed"):
+    with pytest.raises(
+        tree.ApplyError, match="No space left on device.*Nothing was changed"
+    ):
         write(plan(small_tree, series), series, load_base())
     assert len(calls) == 10
     assert _snapshot(small_tree) == before

@@ -2,10 +2,10 @@
 """The patched wheel, the upstream export and the dev-tree round trip."""
 
 import base64
-import re
 import csv
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import zipfile
@@ -22,7 +22,9 @@ from hybridkv.wheel import build
 @pytest.fixture(scope="module")
 def patched_wheel(pristine_root, tmp_path_factory):
     pristine = next(downloads_dir().glob("vllm-*.whl"))
-    return build(pristine, load_series(), tmp_path_factory.mktemp("dist"), log=lambda *_: None)
+    return build(
+        pristine, load_series(), tmp_path_factory.mktemp("dist"), log=lambda *_: None
+    )
 
 
 def test_wheel_carries_the_label_and_a_true_record(patched_wheel):
@@ -37,8 +39,12 @@ def test_wheel_carries_the_label_and_a_true_record(patched_wheel):
         for name, digest, size in rows:
             if name.endswith(".py") or name.endswith(".json"):
                 data = z.read(name)
-                want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-                assert digest == f"sha256={want.decode()}" and int(size) == len(data), name
+                want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(
+                    b"="
+                )
+                assert digest == f"sha256={want.decode()}" and int(size) == len(data), (
+                    name
+                )
         series = load_series()
         for rel in series.overlay_files():
             assert z.read(rel) == (REPO / rel).read_bytes()
@@ -76,20 +82,25 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
                 rf"^Fixes .*vllm-project/vllm#{upstream.group(1)}\b", desc, re.M
             ), (patch.name, upstream.group(1))
         # vLLM's DCO check: the description ends with the author's sign-off.
-        assert desc.rstrip().splitlines()[-1] == f"Signed-off-by: {patch.fields['From']}"
+        assert (
+            desc.rstrip().splitlines()[-1] == f"Signed-off-by: {patch.fields['From']}"
+        )
 
 
 def test_dev_then_refresh_reproduces_the_series(tmp_path, pristine_root, series):
     dev(series, tmp_path / "dev", log=lambda *_: None)
     copy = tmp_path / "repo"
     shutil.copytree(REPO / "patches", copy / "patches")
-    for rel in list(series.overlay_files()) + [t for p in series.patches for t in p.listed("Tests")]:
+    for rel in list(series.overlay_files()) + [
+        t for p in series.patches for t in p.listed("Tests")
+    ]:
         (copy / rel).parent.mkdir(parents=True, exist_ok=True)
     refresh(tmp_path / "dev", copy, log=lambda *_: None)
     for patch in series.patches:
         assert (copy / "patches" / patch.name).read_text() == patch.text
     assert (copy / "patches" / "pristine.sha256").read_text() == (
-        REPO / "patches" / "pristine.sha256").read_text()
+        REPO / "patches" / "pristine.sha256"
+    ).read_text()
 
 
 def test_the_series_passes_its_static_checks():
@@ -99,19 +110,30 @@ def test_the_series_passes_its_static_checks():
 def test_static_checks_catch_an_unlisted_patch(tmp_path):
     shutil.copytree(REPO / "patches", tmp_path / "patches")
     shutil.copytree(REPO / "vllm", tmp_path / "vllm")
-    shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__")
+    )
     (tmp_path / "patches" / "core" / "9999-stray.patch").write_text("x\n")
-    assert "patches/core/9999-stray.patch: not listed in patches/series" in static_problems(tmp_path)
+    assert (
+        "patches/core/9999-stray.patch: not listed in patches/series"
+        in static_problems(tmp_path)
+    )
 
 
-def test_refresh_refuses_a_commit_that_edits_another_patchs_file(tmp_path, pristine_root, series):
+def test_refresh_refuses_a_commit_that_edits_another_patchs_file(
+    tmp_path, pristine_root, series
+):
     dev(series, tmp_path / "dev", log=lambda *_: None)
     overlay = next(iter(series.overlay_files()))
     with open(tmp_path / "dev" / overlay, "a") as f:
         f.write("# a later fix\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(git + ["commit", "-qam", "fix the overlay"], cwd=tmp_path / "dev", check=True)
+    subprocess.run(
+        git + ["commit", "-qam", "fix the overlay"], cwd=tmp_path / "dev", check=True
+    )
     copy = tmp_path / "repo"
     shutil.copytree(REPO / "patches", copy / "patches")
-    with pytest.raises(SystemExit, match=rf"changes {overlay}, which an earlier commit added"):
+    with pytest.raises(
+        SystemExit, match=rf"changes {overlay}, which an earlier commit added"
+    ):
         refresh(tmp_path / "dev", copy, log=lambda *_: None)

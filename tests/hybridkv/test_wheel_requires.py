@@ -60,7 +60,9 @@ def test_metadata_steers_only_the_listed_requirements(pristine_root):
 
 def test_a_requirement_pristine_lacks_is_refused(pristine_root):
     with pytest.raises(SystemExit, match="no Requires-Dist for not-a-vllm-dep"):
-        steer_requirements(_pristine_metadata(), {"not-a-vllm-dep": "not-a-vllm-dep>=1"})
+        steer_requirements(
+            _pristine_metadata(), {"not-a-vllm-dep": "not-a-vllm-dep>=1"}
+        )
 
 
 def _wheel_to_resolve(tmp_path: Path) -> Path:
@@ -86,7 +88,9 @@ def _wheel_to_resolve(tmp_path: Path) -> Path:
     target = tmp_path / f"{base.project}-{base.label}-{tags}"
     with zipfile.ZipFile(pristine) as src, zipfile.ZipFile(target, "w") as dst:
         dst.writestr(f"{info}/METADATA", steer_requirements(metadata, load_requires()))
-        dst.writestr(f"{info}/WHEEL", src.read(f"{base.project}-{base.version}.dist-info/WHEEL"))
+        dst.writestr(
+            f"{info}/WHEEL", src.read(f"{base.project}-{base.version}.dist-info/WHEEL")
+        )
         dst.writestr(f"{info}/RECORD", "")
     return target
 
@@ -99,21 +103,50 @@ def test_fresh_install_resolves_a_set_that_runs_gemma4(tmp_path, pristine_root):
     report = tmp_path / "report.json"
     # PyPI only, as a user's plain `pip install` sees it: no local wheel folders or
     # extra indexes from this machine's pip configuration.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PIP_") or k == "PIP_CERT"
+    }
     env["PIP_CONFIG_FILE"] = os.devnull
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-         "--disable-pip-version-check", "--quiet", "--index-url", "https://pypi.org/simple",
-         "--report", str(report), str(wheel)],
-        check=True, env=env, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--index-url",
+            "https://pypi.org/simple",
+            "--report",
+            str(report),
+            str(wheel),
+        ],
+        check=True,
+        env=env,
+        timeout=900,
     )
     installed = {
         item["metadata"]["name"].lower(): item["metadata"]
         for item in json.loads(report.read_text())["install"]
     }
     versions = {name: Version(meta["version"]) for name, meta in installed.items()}
-    print({k: str(versions[k]) for k in ("vllm", "transformers", "xgrammar",
-                                         "apache-tvm-ffi", "tokenizers", "torch")})
+    print(
+        {
+            k: str(versions[k])
+            for k in (
+                "vllm",
+                "transformers",
+                "xgrammar",
+                "apache-tvm-ffi",
+                "tokenizers",
+                "torch",
+            )
+        }
+    )
 
     assert versions["vllm"] == Version(load_base().label)
     transformers = versions["transformers"]
@@ -130,5 +163,6 @@ def test_fresh_install_resolves_a_set_that_runs_gemma4(tmp_path, pristine_root):
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
             if req.name.lower() in versions:
-                assert req.specifier.contains(versions[req.name.lower()], prereleases=True), (
-                    name, line, versions[req.name.lower()])
+                assert req.specifier.contains(
+                    versions[req.name.lower()], prereleases=True
+                ), (name, line, versions[req.name.lower()])

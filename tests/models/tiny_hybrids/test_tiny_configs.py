@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What vLLM (0.20.2 with the series) parses from the tiny builders and the full-size records.
+"""What vLLM (0.20.2 with the series) parses from the tiny builders and the
+full-size records.
 
 Three depths, so that a failure says how far vLLM got:
 
@@ -170,6 +171,7 @@ def test_expectations_cover_everything():
 
 
 # ---- cases and their marks -------------------------------------------------
+
 
 def _cases(depth: str) -> list:
     """(kind, name) params for tests at ``depth`` in {"hf", "arch", "model"}."""

@@ -45,7 +45,8 @@ def test_tiny_model_boots_and_generates(name, tmp_path):
         prompts = [{"prompt_token_ids": list(range(10 + i, 42 + i))} for i in range(4)]
         outputs = llm.generate(prompts, params)
         lengths = [len(o.outputs[0].token_ids) for o in outputs]
-        print(f"{name}: generated {lengths} tokens; first: {outputs[0].outputs[0].token_ids[:8]}")
+        first = outputs[0].outputs[0].token_ids[:8]
+        print(f"{name}: generated {lengths} tokens; first: {first}")
         assert lengths == [24] * 4
     finally:
         del llm

@@ -711,7 +711,6 @@ def check_configs(args: argparse.Namespace) -> int:
     """Build every engine's VllmConfig and plan it with the planner's own
     argument parser, without starting anything (a CPU platform is enough)."""
     from vllm.engine.arg_utils import EngineArgs
-
     from vllm.entrypoints.cli.kv_capacity import make_parser, request_from_args
     from vllm.v1.core.kv_cache_capacity import plan_capacity, use_planning_platform
 
