@@ -76,7 +76,8 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
         # A patch with an upstream bug (DEP-3 `Bug:`) names it the way vLLM PRs
         # do; one that fixes only a hybridkv issue (e.g. the store speed-up, the
         # GPU-less CLI) claims no upstream issue rather than a made-up one.
-        upstream = re.search(r"/vllm-project/vllm/issues/(\d+)", patch.fields.get("Bug", ""))
+        bug = patch.fields.get("Bug", "")
+        upstream = re.search(r"/vllm-project/vllm/issues/(\d+)", bug)
         if upstream:
             assert re.search(
                 rf"^Fixes .*vllm-project/vllm#{upstream.group(1)}\b", desc, re.M
