@@ -124,3 +124,23 @@ def test_model_without_vision_bidirectional_declares_none(tmp_path):
         model=str(path), skip_tokenizer_init=True, max_model_len=1024
     ).create_engine_config()
     assert not config.model_config.is_mm_prefix_lm
+
+
+def test_capacity_planner_routes_the_causal_full_layers_like_the_engine(tmp_path):
+    """`vllm kv-capacity` (0006) reports the backend the engine gives the
+    TurboQuant full layer of a vision Gemma 4, not a start-up failure."""
+    from vllm.v1.core import kv_cache_capacity as capacity
+
+    path = builders.gemma4_mm(tmp_path / "gemma4")
+    report = capacity.plan_capacity(
+        capacity.CapacityRequest(
+            model=str(path),
+            max_model_len=1024,
+            kv_cache_dtype=TQ,
+            kv_cache_memory_bytes=2**28,
+        )
+    )
+    assert report.error is None, report.error
+    assert report.backend_errors == {}
+    full_tq = f"full attention, head_size 512, KV {TQ}"
+    assert report.attention_backends[full_tq] == "TURBOQUANT"

@@ -628,6 +628,21 @@ def kv_cache_specs(
     return specs, dtypes
 
 
+def mm_prefix_layer_kinds(model_config: Any) -> frozenset[str] | None:
+    """The layer kinds ("full", "sliding") of an mm-prefix model that attend
+    bidirectionally over image tokens, where its model class declares them
+    (``mm_prefix_layer_kinds``); None: every layer, which is what ``Attention``
+    assumes for a model that declares nothing."""
+    if not model_config.is_mm_prefix_lm:
+        return None
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        model_config.architectures, model_config
+    )
+    return getattr(model_cls, "mm_prefix_layer_kinds", None)
+
+
 def attention_backends(
     vllm_config: Any,
     layers: list[LayerGeometry],
@@ -647,6 +662,7 @@ def attention_backends(
     )
     chosen: dict[str, str] = {}
     failed: dict[str, str] = {}
+    mm_prefix_kinds = mm_prefix_layer_kinds(model_config)
     for layer in layers:
         if layer.kind == "mamba":
             continue
@@ -659,7 +675,8 @@ def attention_backends(
             dtype=model_config.dtype,
             kv_cache_dtype=dtype,
             block_size=block_size,
-            use_mm_prefix=model_config.is_mm_prefix_lm,
+            use_mm_prefix=model_config.is_mm_prefix_lm
+            and (mm_prefix_kinds is None or layer.kind in mm_prefix_kinds),
             attn_type=AttentionType.DECODER,
         )
         try:
