@@ -418,10 +418,11 @@ SCREEN_TARGETS = ("qwen3_next", "qwen3_5", "qwen3_dense")
 
 
 @torch.no_grad()
-def trajectory(
+def greedy(
     model, prompt: list[int], new_tokens: int = NEW_TOKENS
-) -> tuple[list[int], list[float]]:
-    """Greedy continuation and, per position, the top-1/top-2 logit gap."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy continuation of ``prompt`` (the new tokens) and the fp32 logits
+    of every generated position, ``[new_tokens, vocab]``."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
@@ -432,8 +433,16 @@ def trajectory(
         return_dict_in_generate=True,
         pad_token_id=0,
     )
-    top2 = torch.stack(out.logits, 1)[0].float().topk(2, -1).values
-    return out.sequences[0, len(prompt) :].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
+    return out.sequences[0, len(prompt) :], torch.stack(out.logits, 1)[0].float()
+
+
+def trajectory(
+    model, prompt: list[int], new_tokens: int = NEW_TOKENS
+) -> tuple[list[int], list[float]]:
+    """Greedy continuation and, per position, the top-1/top-2 logit gap."""
+    gen, scores = greedy(model, prompt, new_tokens)
+    top2 = scores.topk(2, -1).values
+    return gen.tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 
 
 def context_decided(prompt: list[int], output: list[int], seed: int = SEED) -> int:
@@ -489,24 +498,13 @@ def greedy_stats(
     succ = torch.tensor(successor_map(seed=seed))
     distinct, margins, follow, outputs, gaps = [], [], [], [], []
     for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        gen = out.sequences[0, len(p) :]
+        gen, scores = greedy(model, p, new_tokens)
         outputs.append(gen.tolist())
         distinct.append(len(set(gen.tolist())))
-        scores = torch.stack(out.logits, 1)[0].float()
         top2 = scores.topk(2, -1).values
         margins.append((top2[:, 0] - top2[:, 1]) / scores.std(-1))
         gaps.append(float((top2[:, 0] - top2[:, 1]).min()))
-        prev = out.sequences[0, len(p) - 1 : -1]
+        prev = torch.cat([torch.tensor(p[-1:]), gen[:-1]])
         follow.append((succ[prev] == gen).float())
     rel = torch.cat(margins)
     stats: dict[str, Any] = {

@@ -1221,15 +1221,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def child_main(
+    paths: list[str],
+    run: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    before_exit: Callable[[], None] | None = None,
+):
+    """``--child ARGS RESULT``: one engine's run (``run``, default
+    ``run_child``), its result written as JSON; the process then ends without
+    engine teardown, which can hang or crash after the work is done
+    (``before_exit`` first, e.g. ending worker processes)."""
+    child_args = json.loads(Path(paths[0]).read_text())
+    result = (run or run_child)(child_args)
+    Path(paths[1]).write_text(json.dumps(result))
+    sys.stdout.flush()
+    if before_exit is not None:
+        before_exit()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        child_args = json.loads(Path(args.child[0]).read_text())
-        result = run_child(child_args)
-        Path(args.child[1]).write_text(json.dumps(result))
-        sys.stdout.flush()
-        # Engine teardown can hang or crash after the work is done.
-        os._exit(0)
+        child_main(args.child)
     if args.table:
         return print_tables(args.table)
     if args.check_configs:

@@ -802,13 +802,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        child_args = json.loads(Path(args.child[0]).read_text())
-        result = run_child(child_args)
-        Path(args.child[1]).write_text(json.dumps(result))
-        sys.stdout.flush()
-        # Engine teardown can hang or crash after the work is done.
-        end_children()
-        os._exit(0)
+        sdm.child_main(args.child, run=run_child, before_exit=end_children)
     if args.table:
         data = json.loads(Path(args.table).read_text())
         print(format_table(data["rows"], data.get("gemma")))
