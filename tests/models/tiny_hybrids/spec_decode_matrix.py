@@ -16,6 +16,7 @@ fault to show (more context-decided tokens, smaller margins).
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR [--quick]
         [--inject FAULT] [--jobs N] [--only model=...,kv=...,spec=...,cg=...]
         [--deadline S] [--dtype float16|bfloat16] [--cache DIR]
+        [--refs DIR | --resume DIR]
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --verify-precision
     python -m tests.models.tiny_hybrids.spec_decode_matrix OUTDIR --speed
     python -m tests.models.tiny_hybrids.spec_decode_matrix --table RESULT.json ...
@@ -831,12 +832,19 @@ def run_matrix(args: argparse.Namespace) -> int:
                 },
             )
     dtype = next(iter(engines.values()))[1]["engine"]["dtype"]
-    reused = reuse_references(args.refs, engines, prompts, args.gain, dtype)
+    reused = reuse_references(
+        args.resume or args.refs,
+        engines,
+        prompts,
+        args.gain,
+        dtype,
+        every=args.resume is not None,
+    )
     for name in reused:
         engines.pop(name)
     print(
-        f"{len(cells)} cells, {len(engines)} engines ({len(reused)} references "
-        f"reused), {args.jobs} at a time, deadline {args.deadline}s",
+        f"{len(cells)} cells, {len(engines)} engines ({len(reused)} earlier "
+        f"records reused), {args.jobs} at a time, deadline {args.deadline}s",
         flush=True,
     )
     records = {**reused, **run_engines(engines, outdir, args, t0)}
@@ -982,9 +990,11 @@ def reuse_references(
     prompts: list[list[int]],
     gains: dict[str, float],
     dtype: str = "float16",
+    every: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Reference records (no speculation, no fault) from an earlier run's
-    matrix.json with the same prompts and gains, instead of new engines."""
+    matrix.json with the same prompts and gains, instead of new engines;
+    with ``every`` (``--resume``) every engine that finished there."""
     if refs is None:
         return {}
     path = refs / "matrix.json" if refs.is_dir() else refs
@@ -993,12 +1003,12 @@ def reuse_references(
     same = prev.get("gains", {}) == gains and prev.get("dtype", "bfloat16") == dtype
     if prev.get("prompts") != prompts or not same:
         raise SystemExit(
-            f"--refs {path}: other prompts, --gain or --dtype; run without --refs"
+            f"{path}: other prompts, --gain or --dtype; run without --refs/--resume"
         )
     return {
         name: prev["records"][name]
         for name, (c, _) in engines.items()
-        if c.spec == "none" and "outputs" in prev["records"].get(name, {})
+        if (every or c.spec == "none") and "outputs" in prev["records"].get(name, {})
     }
 
 
@@ -1163,6 +1173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="reuse the no-speculation engines of an earlier run (its OUTDIR)",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="reuse every engine that finished in an earlier run of the same "
+        "code (its OUTDIR): a matrix that hit --deadline continues there",
     )
     p.add_argument(
         "--gain",

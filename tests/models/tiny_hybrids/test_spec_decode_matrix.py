@@ -513,6 +513,24 @@ def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
         sdm.main([str(out), "--quick", "--prompts", "6", "--refs", str(clean)])
 
 
+def test_resume_runs_only_engines_that_did_not_finish(tmp_path, monkeypatch):
+    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
+    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    first = tmp_path / "first"
+    assert sdm.main([str(first), "--quick", "--jobs", "4"]) == 0
+    # One engine "hit the deadline" in the first run.
+    data = json.loads((first / "matrix.json").read_text())
+    lost = next(n for n in data["records"] if ".auto." not in n and "none" not in n)
+    data["records"][lost] = {"rc": "skipped", "crash": "NOT RUN (deadline)"}
+    (first / "matrix.json").write_text(json.dumps(data))
+    second = tmp_path / "second"
+    assert sdm.main([str(second), "--quick", "--resume", str(first)]) == 0
+    logs = {p.name.removesuffix(".log") for p in (second / "logs").glob("*.log")}
+    assert logs == {lost}
+
+
 def test_variant_hook_points_exist_in_installed_vllm():
     import importlib
 
