@@ -337,6 +337,9 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
         return run_new
 
     def run():
+        if splitkv is not None:
+            # Patch 0017 hooks this entry point; "old" is 0.20.2's kernel.
+            splitkv.ENABLED = False
         return dec.triton_turboquant_decode_attention(
             query=q,
             kv_cache=cache,
