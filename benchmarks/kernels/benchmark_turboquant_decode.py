@@ -10,14 +10,16 @@ For every case (query/KV heads x head_dim, batch x context) and TurboQuant
 preset it prints the bytes the decode kernel must read, the floor (bytes over
 the copy bandwidth measured in the same run), the median time (CUDA events,
 L2 flushed before every timed call) of FlashAttention bf16, of 0.20.2's kernel
-(``old``) and of a split-KV kernel when one is installed (``new``, through
-the same entry point; release 5's was withdrawn), the fraction of copy
+(``old``, ``triton_turboquant_decode_attention``) and of the split-KV kernel
+when patch 0017 is applied (``new``, ``triton_turboquant_decode_splitkv.
+decode_attention`` with the backend's shared scratch), the fraction of copy
 bandwidth each reaches, the speed ratio to FA, and each kernel's error against
 a float64 attention over the same packed cache (first and last batch row;
 scratch and outputs poisoned with NaN before the checked call). Then
 the store kernel (a decode step and a prefill chunk) against bf16's
 ``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
-new kernel's launch geometries on two cases. Caches hold real packed slots
+new kernel's launch geometry (tile, warps, key dimensions per dot, split
+count) on two cases. Caches hold real packed slots
 (the store kernel on random K/V, tiled over the cache); pages are shuffled.
 
 Writes benchmarks/results/kernels-<time>.json and .md (or --out DIR).
@@ -58,9 +60,35 @@ CASES = [
 QUICK_CASES = [CASES[0], CASES[1], CASES[3], ("Gemma4-31B-full", 32, 4, 512, 4, 8192)]
 SWEEP_CASES = [CASES[1], CASES[3]]
 SWEEP_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc"]
-SWEEP_GEOMETRIES = {  # (BLOCK_N, warps, stages); the kernel's defaults first
-    128: [(16, 2, 1), (32, 4, 1), (16, 4, 2), (64, 8, 1)],
-    256: [(16, 2, 1), (16, 4, 1), (16, 4, 2), (32, 8, 1)],
+# (BLOCK_N, warps, key dimensions per dot, register cap (0: none), splits
+# (0: the kernel's own count from shapes + SMs)). The kernel's defaults
+# (GEOMETRY) first, then tiles, warps, key chunks, caps and split counts.
+SWEEP_POINTS = {
+    128: [
+        (32, 4, 64, 168, 0),
+        (32, 4, 64, 0, 0),
+        (16, 2, 64, 0, 0),
+        (16, 4, 64, 168, 0),
+        (32, 2, 64, 0, 0),
+        (64, 4, 64, 0, 0),
+        (32, 8, 64, 0, 0),
+        (32, 4, 32, 168, 0),
+        (32, 4, 64, 128, 0),
+        (32, 4, 64, 168, 4),
+        (32, 4, 64, 168, 16),
+        (32, 4, 64, 168, 32),
+    ],
+    256: [
+        (16, 4, 64, 168, 0),
+        (16, 4, 64, 0, 0),
+        (16, 2, 64, 0, 0),
+        (32, 4, 64, 168, 0),
+        (16, 8, 64, 128, 0),
+        (16, 8, 64, 0, 0),
+        (16, 4, 32, 168, 0),
+        (16, 4, 64, 168, 8),
+        (16, 4, 64, 168, 32),
+    ],
 }
 STORE_TOKENS = [64, 8192]
 
@@ -260,6 +288,8 @@ def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
 
 
 def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new):
+    """0.20.2's entry point (old) or the split-KV kernel (new), as the backend
+    calls them: the shared scratch of patch 0008 ([B, Hq, 32, D + 1] fp32)."""
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
@@ -275,9 +305,41 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     out_buf = torch.full((B, Hq, D), float("nan"), device="cuda")
     lse = torch.full((B, Hq), float("nan"), device="cuda")
 
+    if new:
+        if not splitkv.supports(
+            D,
+            Hq,
+            cache.shape[2],
+            cfg.key_mse_bits,
+            cfg.effective_value_quant_bits,
+            cfg.key_fp8,
+        ):
+            return None
+
+        def run_new():
+            return splitkv.decode_attention(
+                q,
+                cache,
+                block_table,
+                seq_lens,
+                None if cfg.key_fp8 else pit,
+                centroids,
+                scale,
+                cfg.key_mse_bits,
+                cfg.key_packed_size,
+                cfg.effective_value_quant_bits,
+                key_fp8=cfg.key_fp8,
+                norm_correction=cfg.norm_correction,
+                mid_o_buf=mid,
+                max_num_kv_splits=S,
+            )
+
+        return run_new
+
     def run():
         if splitkv is not None:
-            splitkv.ENABLED = new
+            # Patch 0017 hooks this entry point; "old" is 0.20.2's kernel.
+            splitkv.ENABLED = False
         return dec.triton_turboquant_decode_attention(
             query=q,
             kv_cache=cache,
@@ -301,10 +363,12 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     return run
 
 
-def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, geometry):
+def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, point):
+    """The split-KV kernel at one sweep point (see SWEEP_POINTS)."""
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     B, Hq, D = q.shape
+    *geometry, splits = point
     mid = torch.empty(B, Hq, 32, D + 1, dtype=torch.float32, device="cuda")
 
     def run():
@@ -322,7 +386,8 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, ge
             key_fp8=cfg.key_fp8,
             norm_correction=cfg.norm_correction,
             mid_o_buf=mid,
-            geometry=geometry,
+            geometry=tuple(geometry),
+            num_splits=splits or None,
         )
 
     return run
@@ -433,7 +498,7 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
     try:
         from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
     except ImportError:
-        log("  sweep skipped: no split-KV kernel installed (withdrawn in release 5)")
+        log("  sweep skipped: no split-KV kernel installed (patch 0017 not applied)")
         return
     for label, hq, hk, D, B, ctx in cases:
         num_blocks, bt, seq_lens = paged_layout(B, ctx)
@@ -451,7 +516,7 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
             centroids, midpoints, pit = tq_tables(cfg, D)
             fill_tq_cache(cache, cfg, hk, D, pit, midpoints)
             nbytes = B * ctx * hk * cfg.slot_size_aligned
-            for geom in SWEEP_GEOMETRIES.get(D, []):
+            for geom in SWEEP_POINTS.get(D, []):
                 run = sweep_runner(
                     q, cache, bt, seq_lens, cfg, centroids, pit, D**-0.5, geom
                 )
@@ -479,7 +544,7 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
                 )
                 log(
                     f"  sweep {label} {B}x{ctx} {preset:20s} "
-                    f"BLOCK_N,warps,stages={geom}: "
+                    f"BLOCK_N,warps,key_chunk,maxnreg,splits={geom}: "
                     f"{us:8.1f} us  {nbytes / (us * 1e-6) / bw:5.1%}"
                 )
             del cache
@@ -659,7 +724,7 @@ def markdown(meta, rows, bw):
     if sweep:
         out += [
             "",
-            "## New kernel launch geometry (BLOCK_N, warps, stages)",
+            "## New kernel launch points (BLOCK_N, warps, key dims, maxnreg, splits)",
             "",
             "| case | KV | geometry | µs | % BW |",
             "|---|---|---|---|---|",

@@ -10,7 +10,7 @@ microbenchmark measures them:
 
     CUDA_VISIBLE_DEVICES= \\
     python benchmarks/kernels/compile_report_turboquant_decode.py \\
-        [--arch 90] [--head-dims 128 256] [--geometries 16,2,1 32,4,2]
+        [--arch 90] [--head-dims 128 256] [--geometries 16,2 32,4,64,168] [--byte-loads]
 
 (about 5 s per compile on one core).
 """
@@ -32,24 +32,26 @@ REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 
 
-def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
+def compile_stage1(
+    preset, head_dim, group, geometry, arch, query_dtype="bf16", word16=True
+):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
+
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
-    fn = splitkv._tq_splitkv_stage1
-    block_n, num_warps, num_stages = geometry
-    q_type = query_dtype if cfg.key_fp8 else "fp32"
+    fn = splitkv._tq_decode_split_stage1
+    block_n, num_warps, key_chunk, maxnreg = (tuple(geometry) + (64, 0))[:4]
+    num_stages = 1
     pointers = dict(
-        Q_ptr=f"*{q_type}",
-        KV_ptr="*u8",
-        KV16_ptr="*i16",
+        Q_ptr=f"*{query_dtype}" if cfg.key_fp8 else "*fp32",
+        KV8_ptr="*u8",
+        KV16_ptr="*i16" if word16 else "*u8",
         Block_table_ptr="*i32",
         Seq_lens_ptr="*i32",
         Centroids_ptr="*fp32",
@@ -57,23 +59,24 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
         Mid_ptr="*fp32",
         qk_scale="fp32",
     )
+    mse_bytes = 0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 8
     constants = dict(
+        NUM_SPLITS=2,
+        MIN_TOKENS=splitkv.MIN_SPLIT_TOKENS,
         HEAD_DIM=head_dim,
         PAGE=16,
         GROUP=group,
-        G_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         KEY_FP8=cfg.key_fp8,
-        Q_LOWP=cfg.key_fp8 and query_dtype != "fp32",
+        KEY_CHUNK=max(min(head_dim, key_chunk), head_dim // 8),
         MSE_BITS=0 if cfg.key_fp8 else cfg.key_mse_bits,
-        MSE_BYTES=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 8,
-        KPS=cfg.key_packed_size,
+        MSE_WORDS=mse_bytes // 2,
+        KPS_WORDS=cfg.key_packed_size // 2,
         VQB=cfg.value_quant_bits,
-        VAL_DATA_BYTES=head_dim * cfg.value_quant_bits // 8,
+        VAL_WORDS=head_dim * cfg.value_quant_bits // 16,
         NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
         FP8_E4B15=0,
-        WORD16=True,
-        KEY_CHUNK=min(head_dim, getattr(splitkv, "MSE_KEY_CHUNK", head_dim)),
+        WORD16=word16,
     )
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32")
@@ -82,7 +85,11 @@ def compile_stage1(preset, head_dim, group, geometry, arch, query_dtype="bf16"):
     kernel = triton.compile(
         ASTSource(fn, signature, constexprs=constants),
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages),
+        options=dict(
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        ),
     )
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -113,24 +120,33 @@ def main():
         "--geometries",
         nargs="*",
         default=None,
-        help="BLOCK_N,warps,stages ... (default: the kernel's own per head_dim)",
+        help="BLOCK_N,warps[,key_chunk[,maxnreg]] ... (default: the kernel's own)",
+    )
+    ap.add_argument(
+        "--byte-loads",
+        action="store_true",
+        help="the odd-stride path (pages padded to an odd size)",
     )
     args = ap.parse_args()
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     print("preset               head_dim geometry      regs  spill  shared  progs/SM")
     for preset in args.presets:
-        fp8 = preset == "turboquant_k8v4"
         for head_dim in args.head_dims:
             geometries = (
                 [tuple(int(x) for x in g.split(",")) for g in args.geometries]
                 if args.geometries
-                else [splitkv.GEOMETRY[(head_dim, fp8)]]
+                else [splitkv.GEOMETRY[head_dim]]
             )
             for geometry in geometries:
                 try:
                     regs, spills, shared, per_sm = compile_stage1(
-                        preset, head_dim, GQA[head_dim], geometry, args.arch
+                        preset,
+                        head_dim,
+                        GQA[head_dim],
+                        geometry,
+                        args.arch,
+                        word16=not args.byte_loads,
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{preset:20s} {head_dim:8d} {geometry}: {e}")
