@@ -5,8 +5,10 @@
 Compiles stage 1 of vllm/v1/attention/ops/triton_turboquant_decode_splitkv.py
 for a GPU architecture without a GPU (Triton's compiler plus its bundled
 ``ptxas -v``), per preset, head_dim and launch geometry, and prints how many
-programs fit on one SM. A cheap first filter for launch geometries before the
-microbenchmark measures them:
+programs fit on one SM and the PTX instructions of the tile loop per token
+(warp instructions: an SM issues ~4 per clock, so this bounds tokens/s).
+A cheap first filter for launch geometries before the microbenchmark
+measures them:
 
     CUDA_VISIBLE_DEVICES= \\
     python benchmarks/kernels/compile_report_turboquant_decode.py \\
@@ -30,6 +32,23 @@ PRESETS = [
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
+
+
+def loop_instructions(ptx: str) -> int:
+    """PTX instructions in the longest loop (the tile loop), per thread."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    labels = {
+        line.split(":")[0]: i
+        for i, line in enumerate(lines)
+        if re.match(r"^\$L__\w+:", line)
+    }
+    start, end = 0, 0
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(2), i) < i and i - labels[m.group(2)] > end - start:
+            start, end = labels[m.group(2)], i
+    skip = ("$", "//", "{", "}", ".")
+    return sum(1 for line in lines[start:end] if line and not line.startswith(skip))
 
 
 def compile_stage1(
@@ -102,13 +121,14 @@ def compile_stage1(
             text=True,
         ).stderr
     registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    loop = loop_instructions(kernel.asm["ptx"])
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     shared = kernel.metadata.shared
     per_sm = min(
         REGISTERS_PER_SM // (registers * 32 * num_warps),
         SHARED_PER_SM // max(shared, 1),
     )
-    return registers, spills, shared, per_sm
+    return registers, spills, shared, per_sm, loop * num_warps / block_n
 
 
 def main():
@@ -130,7 +150,10 @@ def main():
     args = ap.parse_args()
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
-    print("preset               head_dim geometry      regs  spill  shared  progs/SM")
+    print(
+        "preset               head_dim geometry         regs  spill  shared  "
+        "progs/SM  loop warp-instr/token"
+    )
     for preset in args.presets:
         for head_dim in args.head_dims:
             geometries = (
@@ -140,7 +163,7 @@ def main():
             )
             for geometry in geometries:
                 try:
-                    regs, spills, shared, per_sm = compile_stage1(
+                    regs, spills, shared, per_sm, per_token = compile_stage1(
                         preset,
                         head_dim,
                         GQA[head_dim],
@@ -152,8 +175,8 @@ def main():
                     print(f"{preset:20s} {head_dim:8d} {geometry}: {e}")
                     continue
                 print(
-                    f"{preset:20s} {head_dim:8d} {str(geometry):12s} {regs:5d} "
-                    f"{spills:6d} {shared // 1024:5d}K {per_sm:9d}",
+                    f"{preset:20s} {head_dim:8d} {str(geometry):16s} {regs:5d} "
+                    f"{spills:6d} {shared // 1024:5d}K {per_sm:9d} {per_token:10.0f}",
                     flush=True,
                 )
 
