@@ -57,10 +57,10 @@ def compile_stage1(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
-
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)

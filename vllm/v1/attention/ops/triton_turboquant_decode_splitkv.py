@@ -1,0 +1,922 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant decode attention that reads each packed K/V slot once.
+
+Decode attention is memory-bound: a TurboQuant slot holds one token's packed
+key and value for one KV head in 102-196 bytes (head_dim 128) against 512 for
+bf16, so a kernel that streams those bytes near memory bandwidth beats
+FlashAttention on bf16. 0.20.2's kernel runs one single-warp program per
+*query* head with 4 tokens per step: each slot is fetched once per query head
+of its group, byte by byte, with almost nothing in flight per SM.
+
+Here one program owns (context split, KV head, row):
+
+- Bytes in flight. The packed words of the next tile, and the block-table
+  entries of the tile after it, are loaded before the current tile is
+  computed (a register double buffer carried by the loop), so DRAM latency
+  overlaps the unpacking and the dots. The split count fills the GPU from the
+  batch shape and the device alone; a minimum number of tokens per split is
+  applied on the device, so short rows leave splits empty instead of
+  producing tiny ones, and a CUDA graph replays for any sequence lengths.
+- Alignment. Packed fields are loaded as 16-bit words only when the host
+  sees every page, token and head stride and the base address even (all
+  field offsets inside a slot are even); a page padded to an odd size gets
+  byte loads assembled into the same words, so both paths share the rest.
+- Tensor cores at fp32 accuracy. All query heads of the KV group (at most 8)
+  are one 16-row dot operand: rows 0-7 hold the TF32 head of the query and
+  rows 8-15 its tail, so one TF32 dot yields both partial products and the
+  row halves add up to an fp32-accurate score. FP8 keys are exact in TF32
+  (one dot); MSE keys score ``norm / |c| * (q . c[idx])`` with the centroid
+  row split into a TF32 head and tail (two dots). Values use
+  ``(p * scale) . idx + sum(p * zero)``: 3/4-bit indices are exact in TF32,
+  and ``p * scale`` is split the same way across the two row halves.
+- A small merge kernel combines the splits by log-sum-exp and writes the
+  query's dtype; with one split the first kernel writes it directly.
+
+Each row is independent (its own ``seq_lens`` entry and block-table row), so
+one launch serves plain decode rows, speculative verify rows (one row per
+query token of a request) and CUDA-graph padding rows (seq_len 0, output 0).
+"""
+
+import os
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+# HYBRIDKV_TQ_DECODE=legacy runs 0.20.2's kernel instead (A/B runs).
+ENABLED = os.environ.get("HYBRIDKV_TQ_DECODE", "").strip().lower() != "legacy"
+
+# Launch geometry per head_dim: (tokens per tile, warps, key dimensions per
+# dot, register cap or 0). From sm_90 compiles (Triton + ptxas -v, no GPU;
+# benchmarks/kernels/compile_report_turboquant_decode.py): the fewest loop
+# instructions per token among tiles that keep >= 3 programs resident with
+# few spills. Uncapped, stage 1 takes 200-255 registers at head_dim >= 128
+# (the double buffer alone ~55); a cap of 168 costs 0-70 bytes of spills.
+GEOMETRY: dict[int, tuple[int, int, int, int]] = {
+    64: (32, 2, 64, 168),
+    128: (32, 4, 64, 168),
+    256: (16, 4, 64, 168),
+    512: (16, 4, 64, 0),
+}
+# Programs per SM the split count aims for when the batch is small.
+PROGRAMS_PER_SM = 8
+# A split covers at least this many tokens (applied on the device).
+MIN_SPLIT_TOKENS = 256
+# Query heads per KV head this kernel serves (the head and tail halves of a
+# 16-row dot operand).
+MAX_GROUP = 8
+
+_LOG2E = 1.4426950408889634
+
+_sm_counts: dict[int, int] = {}
+_fp8_e4b15: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index or 0
+    if index not in _sm_counts:
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(index)
+            _sm_counts[index] = props.multi_processor_count
+        else:
+            # Triton interpreter (CPU tensors): any fixed figure will do.
+            _sm_counts[index] = 4
+    return _sm_counts[index]
+
+
+def _use_fp8_e4b15(device: torch.device) -> int:
+    # Ampere/Ada (SM < 8.9) have no e4m3 conversions; the store kernel picks
+    # the same format by the same rule.
+    index = device.index or 0
+    if index not in _fp8_e4b15:
+        if device.type == "cuda" and torch.version.cuda is not None:
+            _fp8_e4b15[index] = int(torch.cuda.get_device_capability(index) < (8, 9))
+        else:
+            _fp8_e4b15[index] = 0
+    return _fp8_e4b15[index]
+
+
+def words_aligned(kv_cache: torch.Tensor) -> bool:
+    """Whether every packed field of every slot starts at an even address.
+
+    Field offsets inside a slot are even (see ``TurboQuantConfig``); an odd
+    page, token or head stride (a page padded to an odd size) or an odd base
+    address breaks that, and the kernel must load bytes.
+    """
+    return (
+        kv_cache.data_ptr() % 2 == 0
+        and kv_cache.shape[-1] % 2 == 0
+        and all(st % 2 == 0 for st in kv_cache.stride()[:-1])
+    )
+
+
+def num_kv_splits(batch: int, num_kv_heads: int, max_splits: int, sms: int) -> int:
+    """Context splits per (row, KV head): enough programs to fill the GPU.
+
+    Depends on shapes and the device only, so a CUDA graph captured for a
+    batch size replays correctly for any sequence lengths.
+    """
+    want = -(-(PROGRAMS_PER_SM * sms) // max(batch * num_kv_heads, 1))
+    return max(1, min(max_splits, want))
+
+
+def supports(
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    mse_bits: int,
+    value_quant_bits: int,
+    key_fp8: bool,
+) -> bool:
+    """Whether this kernel serves the layout; otherwise 0.20.2's kernel runs."""
+    if head_dim not in GEOMETRY:
+        return False
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
+        return False
+    if num_q_heads // num_kv_heads > MAX_GROUP:
+        return False
+    if value_quant_bits not in (3, 4):
+        return False
+    return bool(key_fp8) or mse_bits in (3, 4)
+
+
+@triton.jit
+def _tf32_head(x):
+    # The 10 explicit mantissa bits a TF32 multiply keeps; x - head is exact.
+    bits = x.to(tl.uint32, bitcast=True) & 0xFFFFE000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_words(KV8, KV16, base, offs, mask, WORD16: tl.constexpr):
+    """Little-endian 16-bit words at word offsets ``offs`` from ``base``.
+
+    ``base`` counts words when WORD16, bytes otherwise; returns int32.
+    """
+    if WORD16:
+        w = tl.load(KV16 + base + offs, mask=mask, other=0)
+        return w.to(tl.int32) & 0xFFFF
+    lo = tl.load(KV8 + base + 2 * offs, mask=mask, other=0)
+    hi = tl.load(KV8 + base + 2 * offs + 1, mask=mask, other=0)
+    return lo.to(tl.int32) | (hi.to(tl.int32) << 8)
+
+
+@triton.jit
+def _load_field(
+    KV8,
+    KV16,
+    base,  # [BLOCK_N] slot start (words or bytes, see _load_words)
+    mask,  # [BLOCK_N]
+    OFF_WORDS: tl.constexpr,  # field offset inside the slot, in words
+    BITS: tl.constexpr,
+    DIM: tl.constexpr,
+    WORD16: tl.constexpr,
+):
+    """Packed words of a BITS-per-element field: three tensors.
+
+    4/8 bits: ``w0`` [BLOCK_N, DIM * BITS / 16], ``w1``/``w2`` unused.
+    3 bits: word ``i`` of each 48-bit group of 16 elements in ``w_i``.
+    """
+    if BITS == 3:
+        g = tl.arange(0, DIM // 16) * 3 + OFF_WORDS
+        w0 = _load_words(KV8, KV16, base[:, None], g[None, :], mask[:, None], WORD16)
+        w1 = _load_words(
+            KV8, KV16, base[:, None], g[None, :] + 1, mask[:, None], WORD16
+        )
+        w2 = _load_words(
+            KV8, KV16, base[:, None], g[None, :] + 2, mask[:, None], WORD16
+        )
+    else:
+        offs = tl.arange(0, DIM * BITS // 16) + OFF_WORDS
+        w0 = _load_words(KV8, KV16, base[:, None], offs[None, :], mask[:, None], WORD16)
+        w1 = w0
+        w2 = w0
+    return w0, w1, w2
+
+
+@triton.jit
+def _unpack(w0, w1, w2, BITS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, DIM] int32 elements packed LSB-first, BITS per element."""
+    if BITS == 3:
+        word = w0.to(tl.int64) | (w1.to(tl.int64) << 16) | (w2.to(tl.int64) << 32)
+        shifts = tl.arange(0, 16) * 3
+        e = (word[:, :, None] >> shifts[None, None, :]) & 7
+        return tl.reshape(e.to(tl.int32), [BLOCK_N, DIM])
+    else:
+        PER: tl.constexpr = 16 // BITS
+        shifts = tl.arange(0, PER) * BITS
+        e = (w0[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(e, [BLOCK_N, DIM])
+
+
+@triton.jit
+def _fp16_word(w):
+    return w.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _halves(w):
+    """[N, W] words -> the first and the second W / 2 columns."""
+    N: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    return tl.split(tl.permute(tl.reshape(w, [N, 2, W // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _score1(
+    q_rows,  # [16, 1] query row pointers (fp32)
+    g_mask,
+    lower,
+    Centroids_ptr,
+    w0,
+    w1,
+    w2,
+    raw,  # [16, BLOCK_N] accumulated: rows 0-7 q_head . k, 8-15 q_tail . k
+    c_sq,  # [BLOCK_N] accumulated |c[idx]|^2 (MSE keys)
+    D_OFF: tl.constexpr,
+    CH: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    MSE_BITS: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+):
+    """Key scores of dimensions D_OFF .. D_OFF + CH, packed in w0-w2."""
+    BLOCK_N: tl.constexpr = w0.shape[0]
+    offs = D_OFF + tl.arange(0, CH)
+    # Loop-invariant: the compiler stages the split query once in shared
+    # memory and reloads the dot operand per tile.
+    q = tl.load(q_rows + offs[None, :], mask=g_mask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    q_hi = _tf32_head(q)
+    q2 = tl.where(lower[:, None], q_hi, q - q_hi)
+    if KEY_FP8:
+        kb = _unpack(w0, w1, w2, 8, CH, BLOCK_N).to(tl.uint8)
+        if FP8_E4B15:
+            kf = kb.to(tl.float8e4b15, bitcast=True).to(tl.float32)
+        else:
+            kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        # e4m3 values are exact in TF32: one dot gives head and tail.
+        raw = tl.dot(q2, tl.trans(kf), raw, input_precision="tf32")
+    else:
+        idx = _unpack(w0, w1, w2, MSE_BITS, CH, BLOCK_N)
+        # Centroids from a table gathered in-register/shared memory: a
+        # global gather per element costs a 64-bit address each.
+        NC: tl.constexpr = 1 << MSE_BITS
+        table = tl.load(Centroids_ptr + tl.arange(0, NC))
+        c = tl.gather(tl.broadcast_to(table[:, None], [NC, CH]), idx, 0)
+        c_hi = _tf32_head(c)
+        raw = tl.dot(q2, tl.trans(c - c_hi), raw, input_precision="tf32")
+        raw = tl.dot(q2, tl.trans(c_hi), raw, input_precision="tf32")
+        c_sq += tl.sum(c * c, axis=1)
+    return raw, c_sq
+
+
+@triton.jit
+def _score2(
+    q_rows,
+    g_mask,
+    lower,
+    C,
+    w0,
+    w1,
+    w2,
+    raw,
+    c_sq,
+    D_OFF: tl.constexpr,
+    CH: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    MSE_BITS: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+):
+    a0, b0 = _halves(w0)
+    a1, b1 = _halves(w1)
+    a2, b2 = _halves(w2)
+    H: tl.constexpr = CH // 2
+    raw, c_sq = _score1(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        a0,
+        a1,
+        a2,
+        raw,
+        c_sq,
+        D_OFF,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+    return _score1(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        b0,
+        b1,
+        b2,
+        raw,
+        c_sq,
+        D_OFF + H,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+
+
+@triton.jit
+def _score4(
+    q_rows,
+    g_mask,
+    lower,
+    C,
+    w0,
+    w1,
+    w2,
+    raw,
+    c_sq,
+    D_OFF: tl.constexpr,
+    CH: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    MSE_BITS: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+):
+    a0, b0 = _halves(w0)
+    a1, b1 = _halves(w1)
+    a2, b2 = _halves(w2)
+    H: tl.constexpr = CH // 2
+    raw, c_sq = _score2(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        a0,
+        a1,
+        a2,
+        raw,
+        c_sq,
+        D_OFF,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+    return _score2(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        b0,
+        b1,
+        b2,
+        raw,
+        c_sq,
+        D_OFF + H,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+
+
+@triton.jit
+def _score8(
+    q_rows,
+    g_mask,
+    lower,
+    C,
+    w0,
+    w1,
+    w2,
+    raw,
+    c_sq,
+    D_OFF: tl.constexpr,
+    CH: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    MSE_BITS: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+):
+    a0, b0 = _halves(w0)
+    a1, b1 = _halves(w1)
+    a2, b2 = _halves(w2)
+    H: tl.constexpr = CH // 2
+    raw, c_sq = _score4(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        a0,
+        a1,
+        a2,
+        raw,
+        c_sq,
+        D_OFF,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+    return _score4(
+        q_rows,
+        g_mask,
+        lower,
+        C,
+        b0,
+        b1,
+        b2,
+        raw,
+        c_sq,
+        D_OFF + H,
+        H,
+        KEY_FP8,
+        MSE_BITS,
+        FP8_E4B15,
+    )
+
+
+@triton.jit
+def _tq_decode_split_stage1(
+    Q_ptr,  # [B, Hq, D] fp32: rotated query (MSE keys) or the query (FP8)
+    KV8_ptr,  # [num_blocks, block_size, Hk, slot] uint8
+    KV16_ptr,  # the same memory as int16 words (used when WORD16)
+    Block_table_ptr,  # [B, max_blocks] int32
+    Seq_lens_ptr,  # [B] int32
+    Centroids_ptr,  # [2**MSE_BITS] fp32
+    Out_ptr,  # [B, Hq, D] query dtype, written when NUM_SPLITS == 1
+    Mid_ptr,  # [>=B, >=Hq, >=NUM_SPLITS, D + 1] fp32, when NUM_SPLITS > 1
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_cb,  # cache strides in load units (words if WORD16, else bytes)
+    stride_cp,
+    stride_ch,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head (<= 8)
+    BLOCK_N: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    KEY_CHUNK: tl.constexpr,  # key dimensions per dot (HEAD_DIM / 1, 2, 4, 8)
+    MSE_BITS: tl.constexpr,
+    MSE_WORDS: tl.constexpr,  # norm offset in words
+    KPS_WORDS: tl.constexpr,  # value field offset in words
+    VQB: tl.constexpr,
+    VAL_WORDS: tl.constexpr,  # value data words (scale follows, then zero)
+    NORM_CORRECTION: tl.constexpr,
+    FP8_E4B15: tl.constexpr,
+    WORD16: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.program_id(2)
+
+    # Tokens per split: static split count, at least MIN_TOKENS per split,
+    # whole tiles; splits past the end of a short row stay empty.
+    seq_len = tl.load(Seq_lens_ptr + row)
+    per = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_TOKENS)
+    per = tl.cdiv(per, BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    # 16 dot rows: rows r and r + 8 belong to query head kv_head * GROUP + r
+    # (TF32 head and tail); rows r >= GROUP are padding.
+    r16 = tl.arange(0, 16)
+    r8 = r16 % 8
+    lower = r16 < 8
+    g_mask = r8 < GROUP
+    heads = kv_head * GROUP + r8
+
+    q_rows = Q_ptr + row * stride_qb + heads[:, None] * stride_qh
+
+    pair = ((r16[:, None] == r16[None, :]) | (r16[:, None] == (r16[None, :] ^ 8))).to(
+        tl.float32
+    )
+    m_i = tl.full([16], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([16], dtype=tl.float32)
+    z_i = tl.zeros([16], dtype=tl.float32)  # sum_n p_n * zero_n
+    acc = tl.zeros([16, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = Block_table_ptr + row * stride_btb
+    head_off = kv_head.to(tl.int64) * stride_ch
+
+    # Prologue: tile 0's words and tile 1's block-table entries.
+    pos = start + offs_n
+    mask = pos < end
+    blk = tl.load(bt_row + pos // PAGE, mask=mask, other=0).to(tl.int64)
+    base = blk * stride_cb + (pos % PAGE).to(tl.int64) * stride_cp + head_off
+    if KEY_FP8:
+        k0, k1, k2 = _load_field(KV8_ptr, KV16_ptr, base, mask, 0, 8, HEAD_DIM, WORD16)
+        kn = tl.zeros([BLOCK_N], dtype=tl.int32)
+    else:
+        k0, k1, k2 = _load_field(
+            KV8_ptr, KV16_ptr, base, mask, 0, MSE_BITS, HEAD_DIM, WORD16
+        )
+        kn = _load_words(KV8_ptr, KV16_ptr, base, MSE_WORDS, mask, WORD16)
+    v0, v1, v2 = _load_field(
+        KV8_ptr, KV16_ptr, base, mask, KPS_WORDS, VQB, HEAD_DIM, WORD16
+    )
+    vs = _load_words(KV8_ptr, KV16_ptr, base, KPS_WORDS + VAL_WORDS, mask, WORD16)
+    vz = _load_words(KV8_ptr, KV16_ptr, base, KPS_WORDS + VAL_WORDS + 1, mask, WORD16)
+    npos = pos + BLOCK_N
+    nblk = tl.load(bt_row + npos // PAGE, mask=npos < end, other=0).to(tl.int64)
+
+    for tile_start in range(start, end, BLOCK_N):
+        cur_mask = mask
+        ck0, ck1, ck2, ckn = k0, k1, k2, kn
+        cv0, cv1, cv2, cvs, cvz = v0, v1, v2, vs, vz
+
+        # ---- issue the next tile's loads before computing this one ----
+        pos = tile_start + BLOCK_N + offs_n
+        mask = pos < end
+        base = nblk * stride_cb + (pos % PAGE).to(tl.int64) * stride_cp + head_off
+        if KEY_FP8:
+            k0, k1, k2 = _load_field(
+                KV8_ptr, KV16_ptr, base, mask, 0, 8, HEAD_DIM, WORD16
+            )
+        else:
+            k0, k1, k2 = _load_field(
+                KV8_ptr, KV16_ptr, base, mask, 0, MSE_BITS, HEAD_DIM, WORD16
+            )
+            kn = _load_words(KV8_ptr, KV16_ptr, base, MSE_WORDS, mask, WORD16)
+        v0, v1, v2 = _load_field(
+            KV8_ptr, KV16_ptr, base, mask, KPS_WORDS, VQB, HEAD_DIM, WORD16
+        )
+        vs = _load_words(KV8_ptr, KV16_ptr, base, KPS_WORDS + VAL_WORDS, mask, WORD16)
+        vz = _load_words(
+            KV8_ptr, KV16_ptr, base, KPS_WORDS + VAL_WORDS + 1, mask, WORD16
+        )
+        npos = pos + BLOCK_N
+        nblk = tl.load(bt_row + npos // PAGE, mask=npos < end, other=0).to(tl.int64)
+
+        # ---- scores [16, BLOCK_N], log2 units, both row halves equal ----
+        # KEY_CHUNK dimensions per dot: a [16, HEAD_DIM] fp32 dot operand
+        # costs every warp HEAD_DIM / 2 registers at once.
+        raw = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        c_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HEAD_DIM // KEY_CHUNK == 1:
+            raw, c_sq = _score1(
+                q_rows,
+                g_mask,
+                lower,
+                Centroids_ptr,
+                ck0,
+                ck1,
+                ck2,
+                raw,
+                c_sq,
+                0,
+                HEAD_DIM,
+                KEY_FP8,
+                MSE_BITS,
+                FP8_E4B15,
+            )
+        elif HEAD_DIM // KEY_CHUNK == 2:
+            raw, c_sq = _score2(
+                q_rows,
+                g_mask,
+                lower,
+                Centroids_ptr,
+                ck0,
+                ck1,
+                ck2,
+                raw,
+                c_sq,
+                0,
+                HEAD_DIM,
+                KEY_FP8,
+                MSE_BITS,
+                FP8_E4B15,
+            )
+        elif HEAD_DIM // KEY_CHUNK == 4:
+            raw, c_sq = _score4(
+                q_rows,
+                g_mask,
+                lower,
+                Centroids_ptr,
+                ck0,
+                ck1,
+                ck2,
+                raw,
+                c_sq,
+                0,
+                HEAD_DIM,
+                KEY_FP8,
+                MSE_BITS,
+                FP8_E4B15,
+            )
+        else:
+            raw, c_sq = _score8(
+                q_rows,
+                g_mask,
+                lower,
+                Centroids_ptr,
+                ck0,
+                ck1,
+                ck2,
+                raw,
+                c_sq,
+                0,
+                HEAD_DIM,
+                KEY_FP8,
+                MSE_BITS,
+                FP8_E4B15,
+            )
+        if KEY_FP8:
+            tok = tl.full([BLOCK_N], 1.0, dtype=tl.float32) * qk_scale
+        else:
+            tok = _fp16_word(ckn) * qk_scale
+            if NORM_CORRECTION:
+                tok = tok / tl.sqrt(c_sq + 1e-16)
+        # Rows r and r ^ 8 hold q_head . k and q_tail . k: an exact fp32
+        # "ieee" dot with the pairing matrix sums them into both rows (a
+        # reshape here would pull the accumulator into a replicated layout).
+        s = tl.dot(pair, raw, input_precision="ieee")
+        s = s * tok[None, :]
+        s = tl.where(cur_mask[None, :], s, float("-inf"))
+
+        # ---- online softmax ----
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # ---- values: (p * scale) . idx + sum(p * zero) ----
+        v_scale = _fp16_word(cvs)
+        v_zero = _fp16_word(cvz)
+        vf = _unpack(cv0, cv1, cv2, VQB, HEAD_DIM, BLOCK_N).to(tl.float32)
+        ps = p * v_scale[None, :]
+        ps_hi = _tf32_head(ps)
+        p2 = tl.where(lower[:, None], ps_hi, ps - ps_hi)
+        acc = tl.dot(p2, vf, acc * alpha[:, None], input_precision="tf32")
+        z_i = z_i * alpha + tl.sum(p * v_zero[None, :], axis=1)
+        m_i = m_new
+
+    # Row halves: acc adds up (head + tail); m, l, z are equal in both.
+    acc8 = tl.sum(tl.reshape(acc, [2, 8, HEAD_DIM]), axis=0)
+    l8 = tl.max(tl.reshape(l_i, [2, 8]), axis=0)
+    m8 = tl.max(tl.reshape(m_i, [2, 8]), axis=0)
+    z8 = tl.max(tl.reshape(z_i, [2, 8]), axis=0)
+    o8 = tl.arange(0, 8)
+    h8 = kv_head * GROUP + o8
+    m8_mask = o8 < GROUP
+    safe_l = tl.where(l8 > 0.0, l8, 1.0)
+    out = (acc8 + z8[:, None]) / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = Out_ptr + row * stride_ob + h8[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=m8_mask[:, None])
+    else:
+        # An empty split stores zeros and lse = -inf; the merge skips it.
+        lse = tl.where(l8 > 0.0, m8 + tl.log2(safe_l), float("-inf"))
+        mid = Mid_ptr + row * stride_mb + h8 * stride_mh + split * stride_ms
+        tl.store(mid[:, None] + offs_d[None, :], out, mask=m8_mask[:, None])
+        tl.store(mid + HEAD_DIM, lse, mask=m8_mask)
+
+
+@triton.jit
+def _tq_decode_split_merge(
+    Mid_ptr,
+    Out_ptr,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    head = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mid = Mid_ptr + row * stride_mb + head * stride_mh + offs_s * stride_ms
+    lse = tl.load(mid + HEAD_DIM, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(lse, axis=0)
+    w = tl.where(live, tl.exp2(lse - tl.where(live, m, 0.0)), 0.0)
+    part = tl.load(mid[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+    w_sum = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    tl.store(
+        Out_ptr + row * stride_ob + head * stride_oh + offs_d,
+        out.to(Out_ptr.dtype.element_ty),
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,  # [B, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, Hk, slot] uint8
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    PiT: torch.Tensor | None,  # [D, D] fp32 (q_rot = q @ PiT); None for FP8 keys
+    centroids: torch.Tensor,  # [2**mse_bits] fp32
+    scale: float,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool = False,
+    norm_correction: bool = False,
+    mid_o_buf: torch.Tensor | None = None,
+    output_buf: torch.Tensor | None = None,
+    max_num_kv_splits: int = 32,
+    num_splits: int | None = None,
+    geometry: tuple[int, ...] | None = None,
+    out_dtype: torch.dtype | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+) -> torch.Tensor:
+    """Decode attention over a packed TurboQuant cache: [B, Hq, D].
+
+    The output has the query's dtype unless ``out_dtype`` says otherwise.
+    ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
+    caps the split count at S; without it, scratch is allocated per call.
+    ``output_buf`` is used when it has the output dtype. ``num_splits``,
+    ``geometry`` (see ``GEOMETRY``) and ``min_split_tokens`` override the
+    defaults (tests, benchmarks).
+    """
+    B, Hq, D = query.shape
+    Hk = kv_cache.shape[2]
+    group = Hq // Hk
+    device = query.device
+    if kv_cache.dtype != torch.uint8:
+        raise TypeError(
+            f"TurboQuant decode expects the packed uint8 cache, got {kv_cache.dtype}; "
+            "this layer's cache was not allocated for a TurboQuant dtype"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(
+            "TurboQuant decode expects slot bytes contiguous in the cache's last "
+            f"dimension, got stride {kv_cache.stride(-1)}; pass a view whose last "
+            "dimension is the slot"
+        )
+    if not supports(D, Hq, Hk, mse_bits, value_quant_bits, key_fp8):
+        raise ValueError(
+            f"split-KV TurboQuant decode serves head_dim {sorted(GEOMETRY)} and "
+            f"up to {MAX_GROUP} query heads per KV head, got head_dim {D}, "
+            f"{Hq} query / {Hk} KV heads; call supports() first and use "
+            "triton_turboquant_decode_attention otherwise"
+        )
+
+    if key_fp8:
+        q_in = query if query.stride(-1) == 1 else query.contiguous()
+    else:
+        q_in = query.float() @ PiT
+
+    out_dtype = out_dtype or query.dtype
+    if (
+        output_buf is not None
+        and output_buf.dtype == out_dtype
+        and output_buf.shape[0] >= B
+        and output_buf.stride(-1) == 1
+    ):
+        out = output_buf[:B, :Hq, :D]
+    else:
+        out = torch.empty(B, Hq, D, dtype=out_dtype, device=device)
+
+    has_mid = (
+        mid_o_buf is not None
+        and mid_o_buf.dtype == torch.float32
+        and mid_o_buf.shape[0] >= B
+        and mid_o_buf.shape[1] >= Hq
+        and mid_o_buf.shape[3] >= D + 1
+        and mid_o_buf.stride(-1) == 1
+    )
+    if num_splits is None:
+        cap = (
+            min(max_num_kv_splits, mid_o_buf.shape[2])
+            if has_mid
+            else (max_num_kv_splits)
+        )
+        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device))
+    if num_splits > 1:
+        if has_mid and mid_o_buf.shape[2] >= num_splits:
+            mid = mid_o_buf
+        else:
+            mid = torch.empty(
+                B, Hq, num_splits, D + 1, dtype=torch.float32, device=device
+            )
+    else:
+        mid = out  # not read when there is one split
+
+    block_n, num_warps, key_chunk, maxnreg = tuple(geometry or GEOMETRY[D])
+    # The register cap is a compile option of the CUDA backend only.
+    launch_opts = {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
+    word16 = words_aligned(kv_cache)
+    unit = 2 if word16 else 1
+    st = kv_cache.stride()
+    mse_bytes = 0 if key_fp8 else D * mse_bits // 8
+    _tq_decode_split_stage1[(num_splits, Hk, B)](
+        q_in,
+        kv_cache,
+        kv_cache.view(torch.int16) if word16 else kv_cache,
+        block_table,
+        seq_lens,
+        centroids,
+        out,
+        mid,
+        scale * _LOG2E,
+        q_in.stride(0),
+        q_in.stride(1),
+        st[0] // unit,
+        st[1] // unit,
+        st[2] // unit,
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2) if num_splits > 1 else 0,
+        NUM_SPLITS=num_splits,
+        MIN_TOKENS=min_split_tokens,
+        HEAD_DIM=D,
+        PAGE=kv_cache.shape[1],
+        GROUP=group,
+        BLOCK_N=block_n,
+        KEY_FP8=bool(key_fp8),
+        KEY_CHUNK=max(min(D, key_chunk), D // 8),
+        MSE_BITS=0 if key_fp8 else mse_bits,
+        MSE_WORDS=mse_bytes // 2,
+        KPS_WORDS=key_packed_size // 2,
+        VQB=value_quant_bits,
+        VAL_WORDS=D * value_quant_bits // 16,
+        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+        FP8_E4B15=_use_fp8_e4b15(device) if key_fp8 else 0,
+        WORD16=word16,
+        num_warps=num_warps,
+        num_stages=1,
+        **launch_opts,
+    )
+    if num_splits > 1:
+        _tq_decode_split_merge[(Hq, B)](
+            mid,
+            out,
+            mid.stride(0),
+            mid.stride(1),
+            mid.stride(2),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=D,
+            num_warps=4 if D <= 256 else 8,
+        )
+    return out
+
+
+def maybe_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    Pi: torch.Tensor,
+    centroids: torch.Tensor,
+    scale: float,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool = False,
+    norm_correction: bool = False,
+    PiT: torch.Tensor | None = None,
+    mid_o_buf: torch.Tensor | None = None,
+    max_num_kv_splits: int = 32,
+) -> torch.Tensor | None:
+    """``triton_turboquant_decode_attention``'s call, served here.
+
+    None when the kernel is switched off (``HYBRIDKV_TQ_DECODE=legacy``) or
+    does not serve the layout; the caller then runs 0.20.2's kernel. The
+    backend's decode rows (plain and speculative verify rows) and its short
+    continuation chunks all arrive through that entry point.
+    """
+    B, Hq, D = query.shape
+    if not ENABLED or not supports(
+        D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
+    ):
+        return None
+    if not key_fp8 and PiT is None:
+        PiT = Pi.T.contiguous()
+    return decode_attention(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        None if key_fp8 else PiT,
+        centroids,
+        scale,
+        mse_bits,
+        key_packed_size,
+        value_quant_bits,
+        key_fp8=key_fp8,
+        norm_correction=norm_correction,
+        mid_o_buf=mid_o_buf,
+        max_num_kv_splits=max_num_kv_splits,
+    )
