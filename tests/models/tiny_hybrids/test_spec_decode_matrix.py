@@ -678,3 +678,30 @@ def test_verify_precision_driver_with_fake_engines(tmp_path, monkeypatch, capsys
     assert "qwen3_next 4bit_nc mtp3 raw own K/V 100.0% 4.00 no (DIFF 0@3)" in lines
     assert sdm.main(["--table", str(out / "precision.json")]) == 0
     assert "raw own K/V" in capsys.readouterr().out
+
+
+def test_unstable_prompts_are_reported_beside_the_strict_count():
+    same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    records = {
+        "m.kv.none.NONE": {"outputs": same},
+        "m.kv.none.PIECEWISE": {"outputs": other},
+        "m.auto.none.NONE": {"outputs": same},
+        "m.auto.none.PIECEWISE": {"outputs": same},
+        "m.kv.mtp3.NONE": {"outputs": other},
+        "m.kv.none.NONE.some-fault": {"outputs": other},
+    }
+    assert sdm.unstable_prompts(records) == {"m.kv": [1]}
+    rows = [
+        {"model": "qwen3_next", "kv": "kv", "spec": "mtp3", "cg": "NONE"},
+        {"model": "qwen3_next", "kv": "auto", "spec": "mtp3", "cg": "NONE"},
+    ]
+    for r in rows:
+        r.update(status="DIFF 1@1 tie", first_diffs=[(1, 1)], prompts_exact="1/2")
+    renamed = {k.replace("m.", "qwen3_next.", 1): v for k, v in records.items()}
+    rows = sdm.with_unstable_prompts(rows, renamed)
+    assert [r["unstable_prompts"] for r in rows] == [[1], []]
+    table = sdm.format_table(rows)
+    # The strict count stays; the second line counts only the first row,
+    # whose one difference is on a prompt the references disagree on.
+    assert "0/2 cells exact" in table
+    assert "1/2 cells exact on every prompt whose output without" in table
