@@ -39,6 +39,12 @@ from pathlib import Path
 
 import torch
 
+# The float64 decoding of packed slots is the kernel test's (one reference for
+# both); the benchmark runs from the repo root, where `tests` is importable.
+from tests.kernels.attention.test_turboquant_decode_splitkv import (
+    _dequant as dequant_float64,
+)
+
 PRESETS = [
     "turboquant_k8v4",
     "turboquant_4bit_nc",
@@ -187,39 +193,6 @@ def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
         flat[i : i + n] = src[:n]
 
 
-def _unpack_bits(packed, bits, dim):
-    b = torch.nn.functional.pad(packed.long(), (0, 1))
-    bit = torch.arange(dim) * bits
-    word = b[..., bit // 8] | (b[..., bit // 8 + 1] << 8)
-    return (word >> (bit % 8)) & ((1 << bits) - 1)
-
-
-def _fp16_at(two_bytes):
-    b = two_bytes.long()
-    u = (b[..., 0] | (b[..., 1] << 8)).to(torch.int32)
-    return u.to(torch.int16).view(torch.float16).double()
-
-
-def _dequant64(slots, cfg, centroids, dim):
-    """float64 K (rotated space for MSE keys) and V from packed slots [..., slot]."""
-    if cfg.key_fp8:
-        k = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).double()
-    else:
-        mse_bytes = math.ceil(dim * cfg.key_mse_bits / 8)
-        c = centroids.cpu().double()[
-            _unpack_bits(slots[..., :mse_bytes], cfg.key_mse_bits, dim)
-        ]
-        if cfg.norm_correction:
-            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
-        k = _fp16_at(slots[..., mse_bytes : mse_bytes + 2])[..., None] * c
-    vq = cfg.effective_value_quant_bits
-    vbytes = math.ceil(dim * vq / 8)
-    vf = slots[..., cfg.key_packed_size :]
-    v = _unpack_bits(vf[..., :vbytes], vq, dim).double()
-    v = v * _fp16_at(vf[..., vbytes : vbytes + 2])[..., None]
-    return k, v + _fp16_at(vf[..., vbytes + 2 : vbytes + 4])[..., None]
-
-
 def reference_error(out, q, cache, block_table, seq_lens, cfg, centroids, pit, rows):
     """max |out - float64 attention over the same packed cache| / max |ref|,
     over the given batch rows (NaN left in a poisoned output shows as nan)."""
@@ -231,7 +204,7 @@ def reference_error(out, q, cache, block_table, seq_lens, cfg, centroids, pit, r
         n = int(seq_lens[row])
         pos = torch.arange(n, device=cache.device)
         slots = cache[block_table[row, pos // PAGE].long(), pos % PAGE].cpu()
-        k, v = _dequant64(slots, cfg, centroids, D)  # [n, Hk, D]
+        k, v = dequant_float64(slots, cfg, centroids, D)  # [n, Hk, D]
         qr = q[row].double().cpu()
         if not cfg.key_fp8:
             qr = qr @ pit.double().cpu()

@@ -468,12 +468,17 @@ json.dump(res, open(sys.argv[3], "w"))
 """
 
 
-@pytest.mark.parametrize("inject", [None, "verify-new-tokens-only"])
-def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject):
-    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
+def _use_fake_engines(tmp_path, monkeypatch, source):
+    """Engines are subprocesses running ``source``; no checkpoints are built."""
+    (tmp_path / "fake_engine.py").write_text(source)
     monkeypatch.setattr(sdm, "MODULE", "fake_engine")
     monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+
+@pytest.mark.parametrize("inject", [None, "verify-new-tokens-only"])
+def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject):
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_ENGINE)
     out = tmp_path / "out"
     argv = [str(out), "--quick", "--jobs", "4"] + (
         ["--inject", inject] if inject else []
@@ -498,10 +503,7 @@ def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject
 
 
 def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
-    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
-    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
-    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_ENGINE)
     clean = tmp_path / "clean"
     assert sdm.main([str(clean), "--quick", "--jobs", "4"]) == 0
     out = tmp_path / "fault"
@@ -514,10 +516,7 @@ def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
 
 
 def test_resume_runs_only_engines_that_did_not_finish(tmp_path, monkeypatch):
-    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
-    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
-    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_ENGINE)
     first = tmp_path / "first"
     assert sdm.main([str(first), "--quick", "--jobs", "4"]) == 0
     # One engine "hit the deadline" in the first run.
@@ -624,10 +623,7 @@ def test_full_run_order_and_shared_compile_env(tmp_path):
 
 
 def test_deadline_records_engines_not_run(tmp_path, monkeypatch):
-    (tmp_path / "fake_engine.py").write_text(_FAKE_ENGINE)
-    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
-    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_ENGINE)
     out = tmp_path / "out"
     argv = [str(out), "--only", "model=qwen3_dense,kv=auto,cg=NONE", "--deadline", "5"]
     assert sdm.main(argv) == 1
@@ -656,10 +652,7 @@ json.dump(res, open(sys.argv[3], "w"))
 
 
 def test_verify_precision_driver_with_fake_engines(tmp_path, monkeypatch, capsys):
-    (tmp_path / "fake_engine.py").write_text(_FAKE_PRECISION_ENGINE)
-    monkeypatch.setattr(sdm, "MODULE", "fake_engine")
-    monkeypatch.setattr(sdm, "build_checkpoints", lambda root, gains: dict(CKPTS))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_PRECISION_ENGINE)
     out = tmp_path / "out"
     argv = [str(out), "--verify-precision", "--kvs", "turboquant_4bit_nc"]
     assert sdm.main(argv) == 0
