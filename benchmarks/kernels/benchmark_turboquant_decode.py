@@ -289,25 +289,19 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
         ):
             return None
 
-        def run_new():
-            return splitkv.decode_attention(
-                q,
-                cache,
-                block_table,
-                seq_lens,
-                None if cfg.key_fp8 else pit,
-                centroids,
-                scale,
-                cfg.key_mse_bits,
-                cfg.key_packed_size,
-                cfg.effective_value_quant_bits,
-                key_fp8=cfg.key_fp8,
-                norm_correction=cfg.norm_correction,
-                mid_o_buf=mid,
-                max_num_kv_splits=S,
-            )
-
-        return run_new
+        return splitkv_call(
+            splitkv,
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            cfg,
+            centroids,
+            pit,
+            scale,
+            mid_o_buf=mid,
+            max_num_kv_splits=S,
+        )
 
     def run():
         if splitkv is not None:
@@ -344,6 +338,28 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, po
     *geometry, splits = point
     mid = torch.empty(B, Hq, 32, D + 1, dtype=torch.float32, device="cuda")
 
+    return splitkv_call(
+        splitkv,
+        q,
+        cache,
+        block_table,
+        seq_lens,
+        cfg,
+        centroids,
+        pit,
+        scale,
+        mid_o_buf=mid,
+        geometry=tuple(geometry),
+        num_splits=splits or None,
+    )
+
+
+def splitkv_call(
+    splitkv, q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **launch
+):
+    """A no-argument call of the split-KV kernel; ``launch``: its scratch and
+    launch overrides (mid_o_buf, max_num_kv_splits, geometry, num_splits)."""
+
     def run():
         return splitkv.decode_attention(
             q,
@@ -358,9 +374,7 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, po
             cfg.effective_value_quant_bits,
             key_fp8=cfg.key_fp8,
             norm_correction=cfg.norm_correction,
-            mid_o_buf=mid,
-            geometry=tuple(geometry),
-            num_splits=splits or None,
+            **launch,
         )
 
     return run

@@ -525,18 +525,12 @@ def greedy_stats(
         total = 0
         off = []
         for p, gen in zip(prompts, outputs):
-            ids = torch.tensor([p])
-            step = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            full = model(step).logits[0, len(p) - 1 : -1].argmax(-1)
-            flips += int((full != step[0, len(p) :]).sum())
+            step, _ = greedy(model, p, new_tokens)
+            seq = torch.cat([torch.tensor(p), step])[None]
+            full = model(seq).logits[0, len(p) - 1 : -1].argmax(-1)
+            flips += int((full != step).sum())
             total += new_tokens
-            if step[0, len(p) :].tolist() != gen:
+            if step.tolist() != gen:
                 off.append(prompts.index(p))
         stats["kernel_order_flips"] = flips / total
         stats["off_fp32"] = off

@@ -628,6 +628,13 @@ def kv_sensitivity(records: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def aligned(cols: tuple[str, ...], lines: list[tuple]) -> list[str]:
+    """A header and rows, each column padded to its widest cell."""
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*cols), *(fmt.format(*ln) for ln in lines)]
+
+
 def unstable_prompts(records: dict[str, dict[str, Any]]) -> dict[str, list[int]]:
     """``{"model.kv": prompts}`` whose output WITHOUT speculation already
     changes with the cudagraph mode alone (same checkpoint, KV dtype and
@@ -699,10 +706,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{acc:.2f}" if acc else "-",
             )
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*cols)]
-    out += [fmt.format(*ln) for ln in lines]
+    out = aligned(cols, lines)
     crashes = [r for r in rows if r.get("crash")]
     for r in crashes:
         out.append(f"  {r['model']}.{r['kv']}.{r['spec']}.{r['cg']}: {r['crash']}")
@@ -1002,9 +1006,7 @@ def format_precision(rows: list[dict[str, Any]]) -> str:
                 "yes" if status == "exact" else f"no ({status})",
             )
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*cols)] + [fmt.format(*ln) for ln in lines]
+    out = aligned(cols, lines)
     out += [
         f"  {r['model']}.{r['kv']}.{r['verify']}: {r['crash']}"
         for r in rows

@@ -505,9 +505,7 @@ def format_table(
                 "-" if r.get("wall") is None else f"{r['wall']:.0f}s",
             )
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*cols), *(fmt.format(*ln) for ln in lines)]
+    out = sdm.aligned(cols, lines)
     for r in rows:
         if r.get("crash"):
             out.append(f"  {r['engine']}: {r['crash']}")
