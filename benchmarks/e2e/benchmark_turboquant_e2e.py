@@ -7,6 +7,7 @@ One command on a GPU host with the patched vLLM installed, from the repo root
 
     python benchmarks/e2e/benchmark_turboquant_e2e.py --quick      # ~4-5 min, one H100
     python benchmarks/e2e/benchmark_turboquant_e2e.py              # the full table
+    python benchmarks/e2e/benchmark_turboquant_e2e.py --quick --profile # + profile
 
 Each (model, KV dtype) configuration runs in its own process (an engine owns
 the GPU for its lifetime) with dummy weights and no tokenizer: prompts are
@@ -16,8 +17,15 @@ prompts are submitted at once (offline throughput; TTFT includes queueing).
 Per scenario: output tokens/s, TTFT and TPOT median and p90 over requests
 (median over repeats), spread of tokens/s over repeats, and every figure's
 ratio to ``auto`` from the same run; the engine's "GPU KV cache size" line
-gives KV tokens. Results: benchmarks/results/e2e-<time>.json and .md (or
-``--out``), with device and versions. Dummy weights make outputs meaningless
+gives KV tokens. ``--profile`` adds, per configuration, one more process
+whose engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so
+``torch.profiler`` sees its kernels, CUDA-graph replays included) and runs
+each scenario once more under the profiler: GPU time per output step by
+kernel class (attention, KV store, GEMM, other) and the wall time per step,
+so the gap to ``auto`` splits into kernels and host time (issue 10, item 3);
+a profiled pass generates at most ``PROFILE_STEPS`` tokens per sequence.
+Results: benchmarks/results/e2e-<time>.json and .md (or ``--out``), with
+device and versions. Dummy weights make outputs meaningless
 (and repetitive), which is fine for speed, not for quality.
 """
 
@@ -68,7 +76,26 @@ QUICK = dict(
     repeats=1,
 )
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+# Kernel classes of the per-step profile, first match wins (the cache write
+# kernels first: FlashAttention's is named reshape_and_cache_flash). 0.20.2's
+# TurboQuant query rotation is a cuBLAS GEMM (GEMM time above auto's); the
+# in-register one (_tq_rotate_query) counts as attention.
+KERNEL_CLASSES = [
+    (
+        "kv_store",
+        re.compile(r"reshape_and_cache|tq_store|tq_fused_store|concat_and_cache", re.I),
+    ),
+    (
+        "attention",
+        re.compile(r"tq_decode|tq_rotate|_fwd_kernel_stage|flash|fmha|attn", re.I),
+    ),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|matmul", re.I)),
+]
 _RESULT = "HYBRIDKV_E2E_RESULT "
+_PROFILE = "HYBRIDKV_E2E_PROFILE "
+# Output steps of a profiled pass: enough to see the decode steps, few enough
+# that the trace (~500 kernels per step on the Qwen3-4B shape) stays small.
+PROFILE_STEPS = 64
 
 
 def percentile(xs, q):
@@ -78,6 +105,33 @@ def percentile(xs, q):
     k = (len(xs) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def step_profile(kernels, steps: int, wall_s: float) -> dict:
+    """GPU time per output step by kernel class, from (name, microseconds).
+
+    ``steps`` is the number of engine steps that produced output tokens (one
+    per output token when the whole batch decodes together); "gap" is wall
+    time per step the kernels do not cover (host work, launch gaps).
+    """
+    if steps <= 0:
+        raise ValueError(f"a step profile needs at least one output step, got {steps}")
+    per = {label: 0.0 for label, _ in KERNEL_CLASSES}
+    per["other"] = 0.0
+    for name, us in kernels:
+        per[kernel_class(name)] += us
+    out = {k: v / steps for k, v in per.items()}
+    out["gpu"] = sum(per.values()) / steps
+    out["wall"] = wall_s * 1e6 / steps
+    out["gap"] = out["wall"] - out["gpu"]
+    return out
 
 
 # ---------------------------------------------------------------- child ----
@@ -93,6 +147,9 @@ def run_child(spec: dict) -> dict:
     sys.path.insert(0, str(REPO))
     from tests.models.tiny_hybrids.shapes import load_full_size, write_full_size_config
 
+    if spec.get("profile"):
+        # The engine in this process: the profiler sees its kernels.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     record, extras = MODELS[spec["model"]]
     cfg = load_full_size(record)
     vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
@@ -133,6 +190,14 @@ def run_child(spec: dict) -> dict:
             params = SamplingParams(
                 max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=0.0
             )
+            if spec.get("profile"):
+                params.max_tokens = min(out_len, PROFILE_STEPS)
+                results[name] = profile_scenario(llm, prompts(n, in_len), params)
+                print(
+                    _PROFILE + json.dumps(dict(scenario=name, **results[name][0])),
+                    flush=True,
+                )
+                continue
             reps = []
             for _ in range(spec["repeats"]):
                 batch = prompts(n, in_len)
@@ -175,6 +240,34 @@ def run_child(spec: dict) -> dict:
     return results
 
 
+def profile_scenario(llm, batch, params) -> dict:
+    """One untimed pass, then one under torch.profiler: a step profile."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(batch, params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    kernels = [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+    prof_row = step_profile(kernels, params.max_tokens, wall)
+    prof_row["kernels"] = len(kernels)
+    # The five longest kernels by total time, for the notes.
+    totals = {}
+    for name, us in kernels:
+        totals[name] = totals.get(name, 0.0) + us
+    prof_row["top"] = [
+        [name[:80], round(us / params.max_tokens, 1)]
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+    ]
+    return [prof_row]
+
+
 # --------------------------------------------------------------- parent ----
 
 
@@ -197,13 +290,14 @@ def summarize(reps: list[dict]) -> dict:
     )
 
 
-def run_config(model, kv, scenarios, args) -> dict:
+def run_config(model, kv, scenarios, args, profile=False) -> dict:
     spec = dict(
         model=model,
         kv=kv,
         scenarios=scenarios,
         repeats=args.repeats,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        profile=profile,
     )
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
     t0 = time.time()
@@ -229,7 +323,10 @@ def run_config(model, kv, scenarios, args) -> dict:
     if res:
         found = json.loads(res[-1][len(_RESULT) :])
         row["device"] = found.pop("_device", None)
-        row["scenarios"] = {name: summarize(reps) for name, reps in found.items()}
+        if profile:
+            row["profile"] = {name: reps[0] for name, reps in found.items()}
+        else:
+            row["scenarios"] = {name: summarize(reps) for name, reps in found.items()}
     else:
         row["error_tail"] = log[-3000:]
     return row
@@ -306,6 +403,70 @@ def markdown(meta, rows):
     return "\n".join(out) + "\n"
 
 
+def write_results(out, stamp, meta, rows, profiles, start):
+    """JSON + Markdown of every configuration so far, each file replaced whole.
+
+    Called after every configuration, so a run cut short by its time limit
+    still leaves the finished configurations behind.
+    """
+    add_ratios(rows)
+    meta["device"] = next(
+        (r["device"] for r in rows + profiles if r.get("device")), "unknown"
+    )
+    meta["wall_s"] = round(time.time() - start, 1)
+    md = markdown(meta, rows) if rows else f"# TurboQuant end-to-end ({meta['time']})\n"
+    if profiles:
+        md += "\n" + profile_markdown(meta, profiles)
+    payload = json.dumps(dict(meta=meta, rows=rows, profiles=profiles), indent=1)
+    for suffix, text in ((".json", payload), (".md", md)):
+        final = out / f"e2e-{stamp}{suffix}"
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, final)
+
+
+def profile_markdown(meta, profiles) -> str:
+    """Per-step table: microseconds per output step, and the change vs auto."""
+    cols = ["attention", "kv_store", "gemm", "other", "gpu", "gap", "wall"]
+    out = [
+        "## GPU time per output step (µs; in brackets: minus auto)",
+        "",
+        (
+            f"Device: {meta['device']}. One profiled pass per scenario after one "
+            "untimed pass, engine in-process, CUDA graphs as configured; kernel "
+            "time / output tokens per sequence. gap = wall - kernels (host work, "
+            "launch gaps)."
+        ),
+        "",
+        "| model | KV | scenario | " + " | ".join(cols) + " |",
+        "|---|---|---|" + "---|" * len(cols),
+    ]
+    base = {r["model"]: r.get("profile", {}) for r in profiles if r["kv"] == "auto"}
+    for r in profiles:
+        if "profile" not in r:
+            out.append(f"| {r['model']} | {r['kv']} | FAILED (rc {r['rc']}) |")
+            continue
+        for name, p in r["profile"].items():
+            b = base.get(r["model"], {}).get(name)
+            cells = []
+            for c in cols:
+                cell = f"{p[c]:,.0f}"
+                if b is not None and r["kv"] != "auto":
+                    cell += f" ({p[c] - b[c]:+,.0f})"
+                cells.append(cell)
+            out.append(
+                f"| {r['model']} | {r['kv']} | {name} | " + " | ".join(cells) + " |"
+            )
+    out.append("")
+    out.append("Longest kernels (µs per step):")
+    out.append("")
+    for r in profiles:
+        for name, p in r.get("profile", {}).items():
+            top = "; ".join(f"{k} {v}" for k, v in p["top"])
+            out.append(f"- {r['model']} {r['kv']} {name}: {top}")
+    return "\n".join(out) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -316,6 +477,16 @@ def main():
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each configuration: GPU time per step by kernel class",
+    )
+    ap.add_argument(
+        "--profile-only",
+        action="store_true",
+        help="only the per-step profiles (no timed repeats)",
+    )
     ap.add_argument(
         "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
     )
@@ -369,9 +540,26 @@ def main():
         flush=True,
     )
     start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     rows = []
+    profiles = []
     for model in models:
         for kv in kvs:
+            if args.profile or args.profile_only:
+                prow = run_config(model, kv, scenarios, args, profile=True)
+                profiles.append(prow)
+                print(
+                    f"{model} {kv} profile: "
+                    + ("ok" if "profile" in prow else f"FAILED rc={prow['rc']}"),
+                    flush=True,
+                )
+                if "profile" not in prow:
+                    print(prow["error_tail"][-1500:], flush=True)
+                write_results(out, stamp, meta, rows, profiles, start)
+            if args.profile_only:
+                continue
             row = run_config(model, kv, scenarios, args)
             rows.append(row)
             status = "ok" if "scenarios" in row else f"FAILED rc={row['rc']}"
@@ -382,18 +570,9 @@ def main():
             )
             if "scenarios" not in row:
                 print(row["error_tail"][-1500:], flush=True)
-    add_ratios(rows)
-    meta["device"] = next((r["device"] for r in rows if r.get("device")), "unknown")
-    meta["wall_s"] = round(time.time() - start, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    (out / f"e2e-{stamp}.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows), indent=1)
-    )
-    md = markdown(meta, rows)
-    (out / f"e2e-{stamp}.md").write_text(md)
-    print(md)
+            write_results(out, stamp, meta, rows, profiles, start)
+    write_results(out, stamp, meta, rows, profiles, start)
+    print((out / f"e2e-{stamp}.md").read_text())
     print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
 
 

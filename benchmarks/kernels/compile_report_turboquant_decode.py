@@ -159,7 +159,7 @@ def main():
             geometries = (
                 [tuple(int(x) for x in g.split(",")) for g in args.geometries]
                 if args.geometries
-                else [splitkv.GEOMETRY[head_dim]]
+                else [splitkv.default_geometry(head_dim, preset == "turboquant_k8v4")]
             )
             for geometry in geometries:
                 try:

@@ -25,6 +25,7 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
     TQ_PRESETS,
     TurboQuantConfig,
 )
+from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
 PRESETS = list(TQ_PRESETS)
@@ -200,10 +201,14 @@ def _run(
     pad_bytes=0,
     min_split_tokens=16,
     table=None,
+    hadamard=False,
 ):
     cfg, centroids, pit, cache, own_table = _case(
         preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes
     )
+    if hadamard:
+        # The backend's own rotation: rotated in registers, not by a GEMM.
+        pit = _build_hadamard(head_dim, device)
     table = own_table if table is None else table(own_table)
     B, Hq = len(seq_lens), gqa * num_kv_heads
     query = torch.randn(B, Hq, head_dim).to(device) * 1.5
@@ -225,6 +230,7 @@ def _run(
         output_buf=_poisoned((B + 1, Hq, head_dim), device),
         num_splits=splits,
         min_split_tokens=min_split_tokens,
+        hadamard_query=hadamard,
     )
     ref = _reference(query, cache, table, seq_lens, cfg, centroids, pit, scale)
     got = out.double().cpu()
@@ -291,6 +297,63 @@ def test_decode_verify_rows(triton_device, preset):
         lens,
         table=lambda t: t[:1].expand(len(lens), -1),
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_decode_hadamard_query(triton_device, preset, head_dim):
+    """The backend's Hadamard rotation of the query in registers
+    (``rotate_query``) against float64 ``q @ PiT``."""
+    _run(triton_device, preset, head_dim, 4, SEQ_LENS, hadamard=True)
+
+
+def test_only_the_backends_own_matrix_counts_as_hadamard():
+    h = _build_hadamard(64, "cpu")
+    assert splitkv.is_backend_hadamard(h)
+    assert splitkv.is_backend_hadamard(_build_hadamard(64, "cpu"))  # cached
+    # Equal values but another tensor (or any other matrix): the GEMM path.
+    assert not splitkv.is_backend_hadamard(h.clone())
+    assert not splitkv.is_backend_hadamard(torch.linalg.qr(torch.randn(64, 64))[0])
+    assert not splitkv.is_backend_hadamard(None)
+    assert not splitkv.is_backend_hadamard(torch.eye(48))
+
+
+@pytest.mark.parametrize("own_matrix", [True, False])
+def test_hook_rotates_in_registers_only_for_the_backend_matrix(
+    triton_interpret, monkeypatch, own_matrix
+):
+    preset, D, Hk = "turboquant_4bit_nc", 64, 2
+    lens = [21, 5]
+    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, "cpu")
+    if own_matrix:
+        pit = _build_hadamard(D, "cpu")
+    rotated = []
+    real = splitkv.rotate_query
+
+    def spy(query, PiT):
+        rotated.append(PiT)
+        return real(query, PiT)
+
+    monkeypatch.setattr(splitkv, "rotate_query", spy)
+    query = torch.randn(len(lens), 4 * Hk, D)
+    out = splitkv.maybe_decode_attention(
+        query,
+        cache,
+        table,
+        torch.tensor(lens, dtype=torch.int32),
+        pit,
+        centroids,
+        D**-0.5,
+        cfg.key_mse_bits,
+        cfg.key_packed_size,
+        cfg.effective_value_quant_bits,
+        norm_correction=cfg.norm_correction,
+        PiT=pit,
+    )
+    assert len(rotated) == (1 if own_matrix else 0)
+    ref = _reference(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL
 
 
 def test_split_count_ignores_sequence_lengths():

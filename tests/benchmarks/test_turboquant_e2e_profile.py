@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The e2e harness's per-step profile: kernel classes and per-step sums."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HARNESS = (
+    Path(__file__).resolve().parents[2] / "benchmarks/e2e/benchmark_turboquant_e2e.py"
+)
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("turboquant_e2e", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "name, label",
+    [
+        ("_tq_decode_split_stage1", "attention"),
+        ("_tq_decode_split_merge", "attention"),
+        ("_fwd_kernel_stage2", "attention"),
+        ("_tq_rotate_query", "attention"),
+        (
+            "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>",
+            "attention",
+        ),
+        ("_tq_store_mse_hadamard", "kv_store"),
+        ("_tq_fused_store_fp8", "kv_store"),
+        ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>", "kv_store"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_128x64_64x8_1x1_v_bz_TNT", "gemm"),
+        ("void vllm::rms_norm_kernel<c10::BFloat16>", "other"),
+        ("triton_poi_fused_mul_silu_0", "other"),
+    ],
+)
+def test_kernel_classes(e2e, name, label):
+    assert e2e.kernel_class(name) == label
+
+
+def test_step_profile_divides_by_steps_and_leaves_the_gap(e2e):
+    kernels = [
+        ("_tq_decode_split_stage1", 300.0),
+        ("_tq_decode_split_merge", 20.0),
+        ("sm90_xmma_gemm_bf16", 500.0),
+        ("_tq_store_mse_hadamard", 40.0),
+        ("rms_norm_kernel", 60.0),
+    ]
+    prof = e2e.step_profile(kernels, steps=4, wall_s=0.001)
+    assert prof["attention"] == pytest.approx(80.0)
+    assert prof["gemm"] == pytest.approx(125.0)
+    assert prof["kv_store"] == pytest.approx(10.0)
+    assert prof["other"] == pytest.approx(15.0)
+    assert prof["gpu"] == pytest.approx(230.0)
+    assert prof["wall"] == pytest.approx(250.0)
+    assert prof["gap"] == pytest.approx(20.0)
+
+
+def test_step_profile_refuses_zero_steps(e2e):
+    with pytest.raises(ValueError, match="at least one output step, got 0"):
+        e2e.step_profile([("x", 1.0)], steps=0, wall_s=1.0)
+
+
+def test_profile_table_shows_the_change_against_auto(e2e):
+    def row(kv, attention_us):
+        prof = e2e.step_profile([("_tq_decode_split_stage1", attention_us)], 1, 1e-3)
+        prof["top"] = [["_tq_decode_split_stage1", attention_us]]
+        return dict(model="Qwen3-4B", kv=kv, profile={"short-decode": prof})
+
+    md = e2e.profile_markdown(
+        {"device": "H100"}, [row("auto", 100.0), row("turboquant_4bit_nc", 250.0)]
+    )
+    assert (
+        "| Qwen3-4B | auto | short-decode | 100 | 0 | 0 | 0 | 100 | 900 | 1,000 |" in md
+    )
+    assert "| Qwen3-4B | turboquant_4bit_nc | short-decode | 250 (+150) |" in md

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The TurboQuant query rotation of a decode step, in one launch.
+
+MSE keys are stored rotated (``k @ PiT``), so decode scores rotate the query
+the same way. 0.20.2 runs ``query.float() @ PiT`` per layer and step: a float
+copy and an fp32 GEMM on CUDA cores (~8 µs per layer on an H100 for a
+64-row batch of a Qwen3-4B shape, 0.3 ms per step over 36 layers). The
+backend's ``PiT`` is the scaled Sylvester Hadamard matrix, so the rotation is
+the store kernel's in-register Walsh-Hadamard transform
+(``triton_turboquant_store_fused._hadamard_rows``), reading the query in its
+own dtype: one small launch, no copy. It sums in another order than cuBLAS,
+so the result agrees to fp32 rounding.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.triton_turboquant_store_fused import _hadamard_rows
+
+
+@triton.jit
+def _tq_rotate_query(
+    Q_ptr,  # [B, Hq, D] model dtype, last dim contiguous
+    PiT_ptr,  # the backend's scaled Hadamard matrix: only [0, 0] is read
+    Out_ptr,  # [B, Hq, D] fp32
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+):
+    row = tl.program_id(0) // HQ
+    head = tl.program_id(0) % HQ
+    offs = tl.arange(0, D)
+    x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
+    y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
+    tl.store(Out_ptr + row * stride_ob + head * stride_oh + offs, y)
+
+
+def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
+    """``query.float() @ PiT`` for the backend's scaled Hadamard ``PiT``.
+
+    Returns [B, Hq, D] fp32; the query is read in its own dtype.
+    """
+    B, Hq, D = query.shape
+    if D < 16 or D & (D - 1):
+        raise ValueError(
+            f"the Hadamard query rotation needs a power-of-two head_dim >= 16, got "
+            f"{D}; rotate with query.float() @ PiT instead"
+        )
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=query.device)
+    if B * Hq:
+        _tq_rotate_query[(B * Hq,)](
+            query,
+            PiT,
+            out,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HQ=Hq,
+            D=D,
+            LOG2_D=D.bit_length() - 1,
+            num_warps=1 if D <= 256 else 2,
+        )
+    return out
