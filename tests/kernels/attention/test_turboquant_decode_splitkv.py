@@ -318,6 +318,33 @@ def test_only_the_backends_own_matrix_counts_as_hadamard():
     assert not splitkv.is_backend_hadamard(torch.eye(48))
 
 
+def test_hadamard_lookup_builds_nothing_while_a_graph_is_captured(monkeypatch):
+    """Building the matrix copies it to the GPU, which a CUDA graph capture
+    forbids: during a capture only lookups made before count."""
+    h = _build_hadamard(32, "cpu")
+    built = []
+    from vllm.v1.attention.backends import turboquant_attn
+
+    real = turboquant_attn._build_hadamard
+    monkeypatch.setattr(
+        turboquant_attn, "_build_hadamard", lambda d, n: built.append(n) or real(d, n)
+    )
+    monkeypatch.setattr(splitkv, "_hadamard_ptrs", {})
+    fake = SimpleNamespace(
+        dim=h.dim, shape=h.shape, device=h.device, is_cuda=True, data_ptr=h.data_ptr
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not splitkv.is_backend_hadamard(fake)  # nothing looked up yet
+    assert not built
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert splitkv.is_backend_hadamard(fake)  # a warm-up run looks it up
+    assert built
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    built.clear()
+    assert splitkv.is_backend_hadamard(fake)  # the capture reuses that lookup
+    assert not built
+
+
 @pytest.mark.parametrize("own_matrix", [True, False])
 def test_hook_rotates_in_registers_only_for_the_backend_matrix(
     triton_interpret, monkeypatch, own_matrix

@@ -728,23 +728,38 @@ def _tq_decode_split_merge(
     )
 
 
+# data_ptr of the backend's Hadamard matrix per (head_dim, device name).
+_hadamard_ptrs: dict[tuple[int, str], int] = {}
+
+
 def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
     """Whether ``PiT`` is the TurboQuant backend's own rotation matrix.
 
     The backend (and 0.20.2's tests) rotate with the cached scaled Sylvester
     Hadamard matrix of ``turboquant_attn._build_hadamard``; that object, and
     no other matrix, may be replaced by an in-register transform. Identity,
-    not values: comparing values would sync with the GPU.
+    not values: comparing values would sync with the GPU. Looking the matrix
+    up may build it (a copy to the GPU), which a CUDA graph capture forbids:
+    while capturing, only lookups made before count (vLLM's warm-up runs
+    make them); otherwise the GEMM path runs, which is correct, only slower.
     """
     if PiT is None or PiT.dim() != 2 or PiT.shape[0] != PiT.shape[1]:
         return False
     D = PiT.shape[0]
     if D < 16 or D & (D - 1):
         return False
-    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+    capturing = PiT.is_cuda and torch.cuda.is_current_stream_capturing()
+    for name in {str(PiT.device), PiT.device.type}:
+        key = (D, name)
+        if key not in _hadamard_ptrs:
+            if capturing:
+                continue
+            from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
-    names = {str(PiT.device), PiT.device.type}
-    return any(PiT.data_ptr() == _build_hadamard(D, n).data_ptr() for n in names)
+            _hadamard_ptrs[key] = _build_hadamard(D, name).data_ptr()
+        if PiT.data_ptr() == _hadamard_ptrs[key]:
+            return True
+    return False
 
 
 def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
