@@ -39,8 +39,12 @@ from pathlib import Path
 
 import torch
 
-# The float64 decoding of packed slots is the kernel test's (one reference for
-# both); the benchmark runs from the repo root, where `tests` is importable.
+# The float64 decoding of packed slots and the kernel's call are the kernel
+# test's (one of each for both); the benchmark runs from the repo root, where
+# `tests` is importable.
+from tests.kernels.attention.test_turboquant_decode_splitkv import (
+    _call as splitkv_decode,
+)
 from tests.kernels.attention.test_turboquant_decode_splitkv import (
     _dequant as dequant_float64,
 )
@@ -290,7 +294,6 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
             return None
 
         return splitkv_call(
-            splitkv,
             q,
             cache,
             block_table,
@@ -332,14 +335,11 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
 
 def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, point):
     """The split-KV kernel at one sweep point (see SWEEP_POINTS)."""
-    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
-
     B, Hq, D = q.shape
     *geometry, splits = point
     mid = torch.empty(B, Hq, 32, D + 1, dtype=torch.float32, device="cuda")
 
     return splitkv_call(
-        splitkv,
         q,
         cache,
         block_table,
@@ -354,30 +354,12 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, po
     )
 
 
-def splitkv_call(
-    splitkv, q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **launch
-):
+def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **launch):
     """A no-argument call of the split-KV kernel; ``launch``: its scratch and
     launch overrides (mid_o_buf, max_num_kv_splits, geometry, num_splits)."""
-
-    def run():
-        return splitkv.decode_attention(
-            q,
-            cache,
-            block_table,
-            seq_lens,
-            None if cfg.key_fp8 else pit,
-            centroids,
-            scale,
-            cfg.key_mse_bits,
-            cfg.key_packed_size,
-            cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
-            norm_correction=cfg.norm_correction,
-            **launch,
-        )
-
-    return run
+    return lambda: splitkv_decode(
+        q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale, **launch
+    )
 
 
 def guarded(timer, log, what, run):

@@ -190,6 +190,27 @@ def _case(preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes=0):
     return cfg, centroids, pit, cache, table
 
 
+def _call(query, cache, table, seq_t, cfg, centroids, pit, scale=None, **kwargs):
+    """``decode_attention`` with the preset's arguments from ``cfg``; the
+    softmax scale defaults to head_dim ** -0.5 (the benchmark calls this too)."""
+    D = query.shape[-1]
+    return splitkv.decode_attention(
+        query,
+        cache,
+        table,
+        seq_t,
+        None if cfg.key_fp8 else pit,
+        centroids,
+        D**-0.5 if scale is None else scale,
+        cfg.key_mse_bits,
+        cfg.key_packed_size,
+        cfg.effective_value_quant_bits,
+        key_fp8=cfg.key_fp8,
+        norm_correction=cfg.norm_correction,
+        **kwargs,
+    )
+
+
 def _run(
     device,
     preset,
@@ -213,19 +234,14 @@ def _run(
     B, Hq = len(seq_lens), gqa * num_kv_heads
     query = torch.randn(B, Hq, head_dim).to(device) * 1.5
     scale = head_dim**-0.5
-    out = splitkv.decode_attention(
+    out = _call(
         query,
         cache,
         table,
         torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        None if cfg.key_fp8 else pit,
+        cfg,
         centroids,
-        scale,
-        cfg.key_mse_bits,
-        cfg.key_packed_size,
-        cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-        norm_correction=cfg.norm_correction,
+        pit,
         mid_o_buf=_poisoned((B + 1, Hq, 8, head_dim + 1), device),
         output_buf=_poisoned((B + 1, Hq, head_dim), device),
         num_splits=splits,
@@ -490,19 +506,14 @@ def test_each_packed_byte_is_read_once(
         interpreter.InterpreterBuilder, "create_masked_load", counting_load
     )
     Hq = gqa * Hk
-    splitkv.decode_attention(
+    _call(
         torch.randn(len(lens), Hq, D),
         cache,
         table,
         torch.tensor(lens, dtype=torch.int32),
-        None if cfg.key_fp8 else pit,
+        cfg,
         centroids,
-        D**-0.5,
-        cfg.key_mse_bits,
-        cfg.key_packed_size,
-        cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-        norm_correction=cfg.norm_correction,
+        pit,
         num_splits=3,
         min_split_tokens=16,
     )
@@ -547,25 +558,6 @@ def _filled_cache(cfg, seq_lens, num_kv_heads, head_dim, device, pit, midpoints)
             key_fp8=cfg.key_fp8,
         )
     return cache, table
-
-
-def _call(query, cache, table, seq_t, cfg, centroids, pit, **kwargs):
-    D = query.shape[-1]
-    return splitkv.decode_attention(
-        query,
-        cache,
-        table,
-        seq_t,
-        None if cfg.key_fp8 else pit,
-        centroids,
-        D**-0.5,
-        cfg.key_mse_bits,
-        cfg.key_packed_size,
-        cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-        norm_correction=cfg.norm_correction,
-        **kwargs,
-    )
 
 
 @pytest.mark.gpu

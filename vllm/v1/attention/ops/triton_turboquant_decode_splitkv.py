@@ -84,7 +84,6 @@ MAX_GROUP = 8
 _LOG2E = 1.4426950408889634
 
 _sm_counts: dict[int, int] = {}
-_fp8_e4b15: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -100,15 +99,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _use_fp8_e4b15(device: torch.device) -> int:
-    # Ampere/Ada (SM < 8.9) have no e4m3 conversions; the store kernel picks
-    # the same format by the same rule.
-    index = device.index or 0
-    if index not in _fp8_e4b15:
-        if device.type == "cuda" and torch.version.cuda is not None:
-            _fp8_e4b15[index] = int(torch.cuda.get_device_capability(index) < (8, 9))
-        else:
-            _fp8_e4b15[index] = 0
-    return _fp8_e4b15[index]
+    # 0.20.2's rule (Ampere/Ada have no e4m3 conversions), which its store
+    # kernels follow too; imported here because that module imports this one.
+    # CPU tensors (the Triton interpreter) take e4m3.
+    if device.type != "cuda":
+        return 0
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        _use_fp8_e4b15 as use_e4b15,
+    )
+
+    return use_e4b15(device.index or 0)
 
 
 def words_aligned(kv_cache: torch.Tensor) -> bool:
