@@ -15,7 +15,10 @@ step "test environment ($VENV): requirements/cpu-test.txt"
 stamp="$VENV/.hybridkv-requirements"
 want=$(cat requirements/cpu-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements/cpu-test.txt 2>&1 \
+  # No pip cache: a fresh machine never reads it back, and beside the CUDA build of torch
+  # (~3 GB of wheels, ~7 GB installed) it would raise the peak disk use by the download
+  # size again. CI once ran out of disk here.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r requirements/cpu-test.txt 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   # Editable: the tooling finds patches/ and the overlay through its own path.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 \
