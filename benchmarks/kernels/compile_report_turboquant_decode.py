@@ -14,7 +14,9 @@ measures them:
     python benchmarks/kernels/compile_report_turboquant_decode.py \\
         [--arch 90] [--head-dims 128 256] [--geometries 16,2 32,4,64,168] [--byte-loads]
 
-(about 5 s per compile on one core).
+(about 5 s per compile on one core). ``--gluon`` reports the Gluon stage 1
+(vllm/v1/attention/ops/gluon_turboquant_decode.py) for the presets it serves:
+16 tokens per step, head_dim / 128 warps.
 """
 
 import argparse
@@ -131,6 +133,89 @@ def compile_stage1(
     return registers, spills, shared, per_sm, loop * num_warps / block_n
 
 
+def _ptxas_info(ptx: str, arch: int) -> str:
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        return subprocess.run(
+            [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        ).stderr
+
+
+def compile_gluon_stage1(preset, head_dim, group, arch, word32=None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon_decode
+
+    cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+    if not gluon_decode.serves(
+        head_dim, group, 16, cfg.key_fp8, cfg.key_mse_bits, cfg.value_quant_bits
+    ):
+        raise ValueError("not served by the Gluon stage 1")
+    # 32-bit words where the slots allow them (FP8 keys), as stage1() decides.
+    word32 = cfg.key_fp8 if word32 is None else word32
+    conf = gluon_decode.launch_config(head_dim, cfg.key_fp8, word32)
+    fn = gluon_decode._stage1
+    pointers = dict(
+        Q_ptr="*bf16" if cfg.key_fp8 else "*fp32",
+        KV_ptr="*i32" if word32 else "*i16",
+        Block_table_ptr="*i32",
+        Seq_lens_ptr="*i32",
+        Table_ptr="*i32",
+        Out_ptr="*bf16",
+        Mid_ptr="*fp32",
+        qk_scale="fp32",
+    )
+    constants = dict(
+        NUM_SPLITS=2,
+        MIN_TOKENS=256,
+        HEAD_DIM=head_dim,
+        PAGE=16,
+        GROUP=group,
+        KEY_FP8=cfg.key_fp8,
+        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
+        NORM16=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 16,
+        VOFF16=cfg.key_packed_size // 2,
+        **conf,
+    )
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
+    # Pointers 16-byte aligned, as Triton specializes them at launch.
+    attrs = {
+        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in pointers
+        if n.endswith("_ptr")
+    }
+    kernel = triton.compile(
+        GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=conf["W"]),
+    )
+    info = _ptxas_info(kernel.asm["ptx"], arch)
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    shared = kernel.metadata.shared
+    per_sm = min(
+        REGISTERS_PER_SM // (registers * 32 * conf["W"]),
+        SHARED_PER_SM // max(shared, 1),
+    )
+    loop = loop_instructions(kernel.asm["ptx"])
+    return registers, spills, shared, per_sm, loop * conf["W"] / gluon_decode.TILE
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
@@ -147,7 +232,28 @@ def main():
         action="store_true",
         help="the odd-stride path (pages padded to an odd size)",
     )
+    ap.add_argument("--gluon", action="store_true", help="the Gluon stage 1")
     args = ap.parse_args()
+    if args.gluon:
+        print(
+            "preset               head_dim  regs  spill  shared  progs/SM  "
+            "loop warp-instr/token"
+        )
+        for preset in args.presets:
+            for head_dim in args.head_dims:
+                try:
+                    regs, spills, shared, per_sm, per_token = compile_gluon_stage1(
+                        preset, head_dim, GQA[head_dim], args.arch
+                    )
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{preset:20s} {head_dim:8d}: {e}")
+                    continue
+                print(
+                    f"{preset:20s} {head_dim:8d} {regs:5d} {spills:6d} "
+                    f"{shared // 1024:5d}K {per_sm:9d} {per_token:10.0f}",
+                    flush=True,
+                )
+        return
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     print(

@@ -44,8 +44,17 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-# HYBRIDKV_TQ_DECODE=legacy runs 0.20.2's kernel instead (A/B runs).
-ENABLED = os.environ.get("HYBRIDKV_TQ_DECODE", "").strip().lower() != "legacy"
+# HYBRIDKV_TQ_DECODE (A/B runs): unset, this module's Triton stage 1;
+# "gluon", the Gluon stage 1 where it serves (gluon_turboquant_decode: CUDA
+# sm_89+; not yet measured on a GPU, so not the default); "legacy", 0.20.2's
+# kernel instead.
+_MODE = os.environ.get("HYBRIDKV_TQ_DECODE", "").strip().lower()
+ENABLED = _MODE != "legacy"
+# Programs per SM the split count aims for with the Gluon stage 1, whose
+# programs have head_dim / 128 warps (the Triton stage 1's have 2-4).
+GLUON_PROGRAMS_PER_SM = 16
+# Below this many warps per SM at the largest split count, the Triton stage 1.
+GLUON_MIN_WARPS_PER_SM = 8
 
 # Launch geometry per head_dim: (tokens per tile, warps, key dimensions per
 # dot, register cap or 0). From sm_90 compiles (Triton + ptxas -v, no GPU;
@@ -109,6 +118,38 @@ def _use_fp8_e4b15(device: torch.device) -> int:
     )
 
     return use_e4b15(device.index or 0)
+
+
+_gluon_capable: dict[int, bool] = {}
+
+
+def _gluon_module(device: torch.device, enabled: bool = _MODE == "gluon"):
+    """``gluon_turboquant_decode`` where it is enabled and can run on
+    ``device``, else None.
+
+    It needs Gluon (Triton >= 3.5) and sm_89+ (e4m3 conversions, mma_v2).
+    """
+    if not enabled or device.type != "cuda":
+        return None
+    index = device.index or 0
+    if index not in _gluon_capable:
+        capable = torch.cuda.get_device_capability(index) >= (8, 9)
+        if capable:
+            try:
+                from vllm.v1.attention.ops import gluon_turboquant_decode  # noqa: F401
+            except ImportError:
+                capable = False
+        _gluon_capable[index] = capable
+    if not _gluon_capable[index]:
+        return None
+    from vllm.v1.attention.ops import gluon_turboquant_decode
+
+    return gluon_turboquant_decode
+
+
+# Tests that run the Gluon kernel's body off the GPU set these.
+_gluon_for = _gluon_module
+_gluon_runner = None
 
 
 def words_aligned(kv_cache: torch.Tensor) -> bool:
@@ -853,13 +894,36 @@ def decode_attention(
         and mid_o_buf.shape[3] >= D + 1
         and mid_o_buf.stride(-1) == 1
     )
-    if num_splits is None:
-        cap = (
-            min(max_num_kv_splits, mid_o_buf.shape[2])
-            if has_mid
-            else (max_num_kv_splits)
+    # The Gluon stage 1 where it serves this layout and, for MSE keys, its
+    # key table exists (none is built during a CUDA graph capture).
+    gluon = _gluon_for(device) if geometry is None else None
+    table = None
+    if gluon is not None and not (
+        words_aligned(kv_cache)
+        and gluon.serves(
+            D, group, kv_cache.shape[1], key_fp8, mse_bits, value_quant_bits
         )
-        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device))
+    ):
+        gluon = None
+    if gluon is not None and not key_fp8:
+        table = gluon.key_table(centroids)
+        if table is None:
+            gluon = None
+    cap = min(max_num_kv_splits, mid_o_buf.shape[2]) if has_mid else max_num_kv_splits
+    if gluon is not None and num_splits is None:
+        # A Gluon program has head_dim / 128 warps: with few rows and KV heads
+        # even the largest split count leaves the SMs short of warps (1 x 32K
+        # on Qwen3-4B: 8 heads x 32 splits = 256 one-warp programs for 132
+        # SMs), and the Triton stage 1's 4-warp programs read faster there.
+        warps = B * Hk * cap * (D // gluon.SLICE)
+        if warps < GLUON_MIN_WARPS_PER_SM * _num_sms(device):
+            gluon = None
+            table = None
+    if num_splits is None:
+        sms = _num_sms(device)
+        if gluon is not None:
+            sms = sms * GLUON_PROGRAMS_PER_SM // PROGRAMS_PER_SM // (D // gluon.SLICE)
+        num_splits = num_kv_splits(B, Hk, cap, max(sms, 1))
     if num_splits > 1:
         if has_mid and mid_o_buf.shape[2] >= num_splits:
             mid = mid_o_buf
@@ -869,6 +933,27 @@ def decode_attention(
             )
     else:
         mid = out  # not read when there is one split
+
+    if gluon is not None:
+        gluon.stage1(
+            q_in,
+            kv_cache,
+            block_table,
+            seq_lens,
+            table,
+            out,
+            mid,
+            scale * _LOG2E,
+            num_splits,
+            min_split_tokens,
+            group,
+            key_packed_size,
+            mse_bits,
+            key_fp8,
+            norm_correction,
+            runner=_gluon_runner,
+        )
+        return _merge(mid, out, num_splits, D)
 
     block_n, num_warps, key_chunk, maxnreg = tuple(
         geometry or default_geometry(D, key_fp8)
@@ -920,7 +1005,12 @@ def decode_attention(
         num_stages=1,
         **launch_opts,
     )
+    return _merge(mid, out, num_splits, D)
+
+
+def _merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int, D: int):
     if num_splits > 1:
+        B, Hq = out.shape[0], out.shape[1]
         _tq_decode_split_merge[(Hq, B)](
             mid,
             out,

@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The Gluon stage 1 of the split-KV TurboQuant decode against float64.
+
+The Gluon stage 1 runs only with ``HYBRIDKV_TQ_DECODE=gluon`` until it is
+measured on a GPU; these tests route to it themselves.
+
+Off the GPU (the Triton interpreter session, ``HYBRIDKV_TRITON_INTERPRET=1``)
+the kernel's body runs on NumPy (``gluon_numpy``: logical semantics, NumPy
+models of its inline asm and mma) behind the real ``decode_attention`` call,
+whose split merge runs under the Triton interpreter; the reference and the
+cases are the split-KV tests'. On a GPU (``gpu`` tests) the kernel runs
+natively against the same reference and the Triton stage 1; with
+``HYBRIDKV_TQ_DECODE=gluon`` set, ``test_turboquant_decode_splitkv``'s GPU
+tests (real shapes, CUDA-graph replay) take it wherever it serves.
+"""
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.kernels.attention import gluon_numpy
+from tests.kernels.attention.test_turboquant_decode_splitkv import (
+    TOL,
+    _call,
+    _filled_cache,
+    _poisoned,
+    _reference,
+    _run,
+    _tables,
+)
+from vllm.model_executor.layers.quantization.turboquant.config import (
+    TurboQuantConfig,
+)
+from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+pytest.importorskip("triton.experimental.gluon")
+gluon_decode = importlib.import_module("vllm.v1.attention.ops.gluon_turboquant_decode")
+
+
+@pytest.fixture
+def gluon_on_numpy(monkeypatch):
+    """Route decode_attention to the Gluon stage 1, run on NumPy; returns the
+    list of launch grids, to see that it ran."""
+    grids = []
+    run = gluon_numpy.runner()
+
+    def runner(kernel, grid, args, constexprs):
+        grids.append(grid)
+        run(kernel, grid, args, constexprs)
+
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    return grids
+
+
+# (preset, head_dim, query heads per KV head, seq_lens, splits): 16-bit and
+# 32-bit word paths, one to four warps, GQA 2-8, a padding row, one token, a
+# partial tile, a page boundary, one split and several.
+CASES = [
+    ("turboquant_k8v4", 128, 4, [0, 1, 19, 45, 70], None),
+    ("turboquant_4bit_nc", 128, 6, [0, 1, 19, 45, 70], None),
+    ("turboquant_k8v4", 256, 6, [19, 45], 1),
+    ("turboquant_4bit_nc", 256, 8, [33, 2], 3),
+    ("turboquant_k8v4", 512, 8, [17], 2),
+    ("turboquant_4bit_nc", 512, 2, [40], 1),
+]
+
+
+@pytest.mark.parametrize(("preset", "head_dim", "gqa", "seq_lens", "splits"), CASES)
+def test_gluon_stage1_matches_float64(
+    triton_interpret, gluon_on_numpy, preset, head_dim, gqa, seq_lens, splits
+):
+    _run(
+        triton_interpret,
+        preset,
+        head_dim,
+        gqa,
+        seq_lens,
+        num_kv_heads=1 if head_dim == 512 else 2,
+        splits=splits,
+    )
+    assert gluon_on_numpy, "decode_attention did not take the Gluon stage 1"
+
+
+def test_gluon_stage1_serves_padded_pages_and_verify_rows(
+    triton_interpret, gluon_on_numpy
+):
+    # An even page padding keeps 16/32-bit words; verify rows share a block
+    # table row with growing lengths (patch 0008), padding rows are empty.
+    _run(
+        triton_interpret, "turboquant_k8v4", 128, 6, [19, 45, 0], splits=2, pad_bytes=96
+    )
+    lens = [29, 30, 31, 32, 0]
+    _run(
+        triton_interpret,
+        "turboquant_4bit_nc",
+        128,
+        4,
+        lens,
+        table=lambda t: t[:1].expand(len(lens), -1),
+    )
+    assert len(gluon_on_numpy) == 2
+
+
+@pytest.mark.parametrize("fault", ["value nibble order", "key byte order"])
+def test_a_fault_in_the_unpacking_turns_the_check_red(
+    triton_interpret, monkeypatch, fault
+):
+    """The NumPy check sees a permutation error in either operand."""
+    models = dict(gluon_numpy.MODELS)
+    if fault == "value nibble order":
+
+        def wrong(w):
+            n = list(gluon_numpy.MODELS["_u4x8_to_f16"](w))
+            n[1], n[2] = n[2], n[1]
+            return tuple(n)
+
+        models["_u4x8_to_f16"] = wrong
+        preset = "turboquant_4bit_nc"
+    else:
+
+        def wrong(w):
+            f = list(gluon_numpy.MODELS["_e4m3x4_to_f16"](w))
+            return f[1], f[0], f[2], f[3]
+
+        models["_e4m3x4_to_f16"] = wrong
+        preset = "turboquant_k8v4"
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
+    with pytest.raises(AssertionError, match="max error"):
+        _run(triton_interpret, preset, 128, 4, [45, 70])
+
+
+def test_key_table_holds_heads_tails_and_squares(monkeypatch):
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    centroids = _tables(cfg, 128, "cpu")[0]
+    table = gluon_decode.key_table(centroids)
+    assert table.shape == (256, 4) and table.dtype == torch.int32
+    assert gluon_decode.key_table(centroids) is table  # built once
+    c = centroids.double()
+    for byte in (0, 1, 0x5A, 0xF0, 0xFF):
+        lo, hi = byte & 15, byte >> 4
+        heads = table[byte, 0:1].view(torch.float16).double()
+        tails = table[byte, 1:2].view(torch.float16).double()
+        assert torch.equal(heads, c[[lo, hi]].half().double())
+        # head + tail holds the centroid to 2**-22 relative
+        assert torch.allclose(heads + tails, c[[lo, hi]], rtol=2**-21, atol=0)
+        square = table[byte, 2:3].view(torch.float32).double()
+        assert torch.allclose(square, c[lo] ** 2 + c[hi] ** 2, rtol=1e-6)
+
+
+def test_key_table_builds_nothing_while_a_graph_is_captured(monkeypatch):
+    """Building the table allocates and launches kernels, which a capture
+    would record: while capturing, a table not built before gives None (the
+    Triton stage 1 runs) and one built before is reused."""
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    c = _tables(cfg, 128, "cpu")[0]
+    fake = SimpleNamespace(
+        data_ptr=c.data_ptr, device=c.device, is_cuda=True, float=c.float
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gluon_decode.key_table(fake) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    built = gluon_decode.key_table(fake)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gluon_decode.key_table(fake) is built
+
+
+@pytest.mark.parametrize(
+    ("layout", "served"),
+    [
+        ((128, 4, 16, True, 0, 4), True),
+        ((256, 6, 16, False, 4, 4), True),
+        ((512, 8, 32, True, 0, 4), True),
+        ((64, 4, 16, True, 0, 4), False),  # less than one warp's slice
+        ((384, 4, 16, True, 0, 4), False),  # three warps
+        ((128, 4, 24, True, 0, 4), False),  # pages of 24 tokens
+        ((128, 4, 16, False, 3, 4), False),  # 3-bit keys
+        ((128, 4, 16, False, 4, 3), False),  # 3-bit values
+        ((128, 12, 16, True, 0, 4), False),  # more than 8 heads per KV head
+    ],
+)
+def test_what_the_gluon_stage1_serves(layout, served):
+    assert gluon_decode.serves(*layout) is served
+
+
+def test_decode_keeps_the_triton_stage1_where_gluon_does_not_serve(
+    triton_interpret, gluon_on_numpy
+):
+    _run(triton_interpret, "turboquant_3bit_nc", 128, 4, [19, 45])  # 3-bit keys
+    _run(
+        triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], splits=2, pad_bytes=97
+    )  # odd page size: byte loads
+    assert not gluon_on_numpy
+
+
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize(("head_dim", "gqa"), [(128, 4), (256, 6), (512, 8)])
+def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
+    """What the NumPy run cannot see: the kernel compiles for sm_90 (no GPU
+    needed; ptxas ships with Triton) and every layout conversion marked
+    trivial is one."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # gl.sum and friends become interpreter functions, which compile
+        # cannot take; the session without the interpreter runs this.
+        pytest.skip("compiled in the session without the Triton interpreter")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+    conf = gluon_decode.launch_config(head_dim, cfg.key_fp8, cfg.key_fp8)
+    fn = gluon_decode._stage1
+    pointers = dict(
+        Q_ptr="*bf16" if cfg.key_fp8 else "*fp32",
+        KV_ptr="*i32" if cfg.key_fp8 else "*i16",
+        Block_table_ptr="*i32",
+        Seq_lens_ptr="*i32",
+        Table_ptr="*i32",
+        Out_ptr="*bf16",
+        Mid_ptr="*fp32",
+        qk_scale="fp32",
+    )
+    constants = dict(
+        NUM_SPLITS=2,
+        MIN_TOKENS=256,
+        HEAD_DIM=head_dim,
+        PAGE=16,
+        GROUP=gqa,
+        KEY_FP8=cfg.key_fp8,
+        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
+        NORM16=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 16,
+        VOFF16=cfg.key_packed_size // 2,
+        **conf,
+    )
+    signature = {
+        n: "constexpr" if n in constants else pointers.get(n, "i32")
+        for n in fn.arg_names
+    }
+    kernel = triton.compile(
+        GluonASTSource(fn, signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=conf["W"]),
+    )
+    assert kernel.metadata.num_warps == head_dim // 128
+    assert "mma.sync" in kernel.asm["ptx"]
+    # No dequantized value crosses threads: the only shared-memory traffic
+    # is the packed words, the query chunks and the cross-warp score sum.
+    assert kernel.metadata.shared <= 64 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize(
+    "shape",
+    [(32, 8, 128, [1, 700, 8192, 0]), (24, 4, 256, [33, 8192, 0])],
+    ids=["qwen3-4b", "qwen3.6-27b"],
+)
+def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
+    """With the Gluon stage 1 enabled, decode_attention takes it on sm_89+;
+    the Triton one gives the same output, and both hold fp32 rounding against
+    float64."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the Gluon stage 1 needs sm_89+")
+    Hq, Hk, D, seq_lens = shape
+    device = "cuda"
+    torch.manual_seed(11)
+    cfg = TurboQuantConfig.from_cache_dtype(preset, D)
+    centroids, midpoints, pit = _tables(cfg, D, device)
+    cache, table = _filled_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
+    query = torch.randn(len(seq_lens), Hq, D, device=device)
+    seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    B = len(seq_lens)
+    monkeypatch.setattr(
+        splitkv, "_gluon_for", lambda d: splitkv._gluon_module(d, enabled=True)
+    )
+    launched = []
+    real = gluon_decode.stage1
+    monkeypatch.setattr(
+        gluon_decode, "stage1", lambda *a, **k: launched.append(1) or real(*a, **k)
+    )
+
+    def decode():
+        return (
+            _call(
+                query,
+                cache,
+                table,
+                seq_t,
+                cfg,
+                centroids,
+                pit,
+                mid_o_buf=_poisoned((B, Hq, 32, D + 1), device),
+                output_buf=_poisoned((B, Hq, D), device),
+                # Fixed: four rows are below the Gluon stage 1's occupancy
+                # floor at the default split count.
+                num_splits=8,
+            )
+            .double()
+            .cpu()
+        )
+
+    got = decode()
+    assert launched, "decode_attention did not take the Gluon stage 1"
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: None)
+    triton_out = decode()
+    ref = _reference(query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5)
+    for out in (got, triton_out):
+        assert not out.isnan().any()
+        err = (out - ref).abs().max().item() / ref.abs().max().item()
+        assert err < TOL, f"max error {err:.3g} relative to max |out|"

@@ -1,0 +1,643 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Stage 1 of the split-KV TurboQuant decode in Gluon (sm_89 and newer).
+
+The Triton stage 1 (``triton_turboquant_decode_splitkv``) is bound by
+shared-memory traffic, not by the bytes it reads: Triton moves every
+dequantized fp32 dot operand into the tensor-core layout through shared
+memory, every tile. Gluon states layouts explicitly, so here no dequantized
+value crosses threads:
+
+- Program = (split, KV head, row) with W = head_dim / 128 warps; warp w owns
+  head dimensions [128 w, 128 w + 128): those bytes of every key and value,
+  its part of each score (summed across warps) and that slice of the output.
+  Tensors carry the warp as dimension 0 (batched ``mma_v2``).
+- Packed slots go global (coalesced words) -> shared memory (still packed) ->
+  registers, each thread loading exactly the words its mma operand elements
+  come from. Within a warp's slice the head dimension is permuted so that a
+  thread's elements are contiguous in the slot; the query is loaded with the
+  same permutation and the output stored through its inverse.
+- fp16 m16n8k16 dots with fp32 accumulation. A-operand rows 0-7 carry
+  fp16(x) and rows 8-15 fp16(x - fp16(x)) (22 significant bits together), for
+  the query and for ``p * scale``; the two row halves add up at the end.
+- FP8 keys convert with ``cvt.rn.f16x2.e4m3x2`` (exact). MSE keys read a
+  256-entry table per key byte (``key_table``, L1-resident, one 16-byte load):
+  fp16 heads and tails of both nibbles' centroids and the sum of their
+  squares (norm correction). 4-bit values are ``(n | 0x6400) - 1024`` in
+  f16x2 (exact).
+- The score tile's accumulator layout is the fp16 A-operand layout, so ``p``
+  stays in registers between the two dots.
+
+It writes the same partial results as the Triton stage 1 (``Out`` with one
+split, else ``Mid`` and the log-sum-exp), so the same merge kernel follows.
+
+Not yet run on a GPU: ``decode_attention`` takes it only with
+``HYBRIDKV_TQ_DECODE=gluon`` (benchmarks/NOTES.md, "Release 9 plan").
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+# Head dimensions per warp.
+SLICE = 128
+# Tokens per step of the loop; pages must hold a multiple of it.
+TILE = 16
+# The same, and shared-memory layouts, as the kernel reads them.
+_SLICE = gl.constexpr(SLICE)
+_SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+_SMEM4 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+
+
+def serves(
+    head_dim: int,
+    group: int,
+    page: int,
+    key_fp8: bool,
+    mse_bits: int,
+    value_quant_bits: int,
+) -> bool:
+    """Whether this stage 1 serves the layout (the device is checked apart)."""
+    return (
+        head_dim % SLICE == 0
+        and head_dim // SLICE in (1, 2, 4)
+        and 1 <= group <= 8
+        and page % TILE == 0
+        and value_quant_bits == 4
+        and (key_fp8 or mse_bits == 4)
+    )
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
+
+
+def _warp_bases(warps: int, rank: int) -> list[list[int]]:
+    return [[1 << i] + [0] * (rank - 1) for i in range(_log2(warps))]
+
+
+def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
+    """The layouts and sizes ``_stage1`` takes as constexpr arguments."""
+    W = head_dim // SLICE
+    mma = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8]
+    )
+    kw16 = head_dim // 2 if key_fp8 else head_dim // 4  # u16 words of the key
+    vw16 = head_dim // 4
+    unit = 2 if word32 else 1
+    lanes_k = min(32, kw16 // unit)
+    lanes_v = min(32, vw16 // unit)
+    # Global loads: lanes along the words of a slot.
+    ldk = gl.BlockedLayout([1, 1], [32 // lanes_k, lanes_k], [W, 1], [1, 0])
+    ldv = gl.BlockedLayout([1, 1], [32 // lanes_v, lanes_v], [W, 1], [1, 0])
+    ptw = SLICE // 16 if key_fp8 else SLICE // 32  # key words per thread, token
+    cw = 4 if key_fp8 else 1  # of them per score chunk
+    qc = 64 if key_fp8 else 32  # dimensions per score chunk
+    # [W, 16 n, 4 t, cw] key words of one chunk: thread (t, n % 8).
+    kreg = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1 << i] for i in range(_log2(cw))] + [[0, 8, 0, 0]],
+        lane_bases=[
+            [0, 0, 1, 0],
+            [0, 0, 2, 0],
+            [0, 1, 0, 0],
+            [0, 2, 0, 0],
+            [0, 4, 0, 0],
+        ],
+        warp_bases=_warp_bases(W, 4),
+        block_bases=[],
+        shape=[W, 16, 4, cw],
+    )
+    # [W, 16 k, 16 words]: word 2 g + wd of the slice; thread (t, g) holds
+    # tokens 2t, 2t + 1, 2t + 8, 2t + 9.
+    vreg = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+        warp_bases=_warp_bases(W, 3),
+        block_bases=[],
+        shape=[W, 16, 16],
+    )
+    # Key bytes [W, n, t, 1, b & 1, b >> 1] and an in-thread table entry of 4.
+    table = gl.DistributedLinearLayout(
+        reg_bases=[
+            [0, 0, 0, 0, 0, 0, 1],
+            [0, 0, 0, 0, 0, 0, 2],
+            [0, 0, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0, 1, 0, 0],
+            [0, 8, 0, 0, 0, 0, 0],
+        ],
+        lane_bases=[
+            [0, 0, 1, 0, 0, 0, 0],
+            [0, 0, 2, 0, 0, 0, 0],
+            [0, 1, 0, 0, 0, 0, 0],
+            [0, 2, 0, 0, 0, 0, 0],
+            [0, 4, 0, 0, 0, 0, 0],
+        ],
+        warp_bases=_warp_bases(W, 7),
+        block_bases=[],
+        shape=[W, 16, 4, 1, 2, 2, 4],
+    )
+    return dict(
+        W=W,
+        MMA=mma,
+        A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+        KW16=kw16,
+        PTW=ptw,
+        CW=cw,
+        QC=qc,
+        LDK=ldk,
+        LDV=ldv,
+        KREG=kreg,
+        VREG=vreg,
+        TABLE=table,
+        WORD32=word32,
+    )
+
+
+# Key tables per centroid tensor (data_ptr, device).
+_tables: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
+    """[256, 4] int32 per key byte (low nibble first): the f16x2 heads and
+    f16x2 tails of both centroids, their squares' fp32 sum, and 0.
+
+    Built once per centroid tensor. Building allocates and launches kernels,
+    which a CUDA graph capture must not record: while capturing, a table not
+    built before gives None (the caller then runs the Triton stage 1).
+    """
+    key = (centroids.data_ptr(), str(centroids.device))
+    if key not in _tables:
+        if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        c = centroids.float()
+        hi = c.half()
+        lo = (c - hi.float()).half()
+        b = torch.arange(256, device=c.device)
+        low, high = b & 15, b >> 4
+        hb = hi.view(torch.int16).int() & 0xFFFF
+        lb = lo.view(torch.int16).int() & 0xFFFF
+        _tables[key] = torch.stack(
+            [
+                hb[low] | (hb[high] << 16),
+                lb[low] | (lb[high] << 16),
+                (c[low] * c[low] + c[high] * c[high]).view(torch.int32),
+                torch.zeros_like(b, dtype=torch.int32),
+            ],
+            -1,
+        ).to(torch.int32)
+    return _tables[key]
+
+
+@gluon.jit
+def _e4m3x4_to_f16(w):
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b16 lo, hi;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }
+        """,
+        "=h,=h,=h,=h,r",
+        [w],
+        dtype=(gl.float16,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _u4x8_to_f16(w):
+    # Nibble i (bits 4i .. 4i+3) is output i: (n | 0x6400) is 1024 + n in
+    # fp16, and one f16x2 subtraction removes 1024 from two of them.
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 t0, t1, t2, t3, s, m;
+        mov.b32 m, 0x64006400;
+        lop3.b32 t0, $8, 0x000F000F, m, 0xEA;
+        shr.b32 s, $8, 4;
+        lop3.b32 t1, s, 0x000F000F, m, 0xEA;
+        shr.b32 s, $8, 8;
+        lop3.b32 t2, s, 0x000F000F, m, 0xEA;
+        shr.b32 s, $8, 12;
+        lop3.b32 t3, s, 0x000F000F, m, 0xEA;
+        sub.f16x2 t0, t0, m;
+        sub.f16x2 t1, t1, m;
+        sub.f16x2 t2, t2, m;
+        sub.f16x2 t3, t3, m;
+        mov.b32 {$0, $4}, t0;
+        mov.b32 {$1, $5}, t1;
+        mov.b32 {$2, $6}, t2;
+        mov.b32 {$3, $7}, t3;
+        }
+        """,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r",
+        [w],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _f16x2(w):
+    return gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;",
+        "=h,=h,r",
+        [w],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _split16(x, rows_lo):
+    hi = x.to(gl.float16)
+    lo = (x - hi.to(gl.float32)).to(gl.float16)
+    return gl.where(rows_lo, hi, lo)
+
+
+@gluon.jit
+def _f16_of_u16(x):
+    return x.to(gl.uint16, bitcast=True).to(gl.float16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _tile_words(
+    KV_ptr, bt_row, tile, end, stride_cb, stride_cp, head_off,
+    offk, offv, nk, nv, ns,
+    PAGE: gl.constexpr, KEY_FP8: gl.constexpr, NORM16: gl.constexpr,
+    VOFF16: gl.constexpr, VW16: gl.constexpr, WORD32: gl.constexpr,
+):  # fmt: skip
+    """One tile's packed words: keys, values, and per token the value scale
+    and zero (both in ``w0`` when WORD32) and the key norm (``w2``). A tile
+    at or past ``end`` loads nothing."""
+    # PAGE % 16 == 0 and tiles start at multiples of 16: one page a tile.
+    blk = gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
+    tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
+    kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None], other=0)
+    vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None], other=0)
+    live = (tile + ns) < end
+    tok = tb + ns * stride_cp
+    if WORD32:
+        w0 = gl.load(tok + (VOFF16 + VW16) // 2, mask=live, other=0)
+        w1 = w0
+    else:
+        w0 = gl.load(tok + VOFF16 + VW16, mask=live, other=0)
+        w1 = gl.load(tok + VOFF16 + VW16 + 1, mask=live, other=0)
+    w2 = w0 if KEY_FP8 else gl.load(tok + NORM16, mask=live, other=0)
+    return kw, vw, w0, w1, w2
+
+
+@gluon.jit
+def _stage1(
+    Q_ptr,  # [B, Hq, D]: rotated query (MSE keys) or the query (FP8 keys)
+    KV_ptr,  # the cache as int32 words (WORD32) or int16 words
+    Block_table_ptr,
+    Seq_lens_ptr,
+    Table_ptr,  # key_table() (MSE keys)
+    Out_ptr,  # [B, Hq, D] written when NUM_SPLITS == 1
+    Mid_ptr,  # [>=B, >=Hq, >=NUM_SPLITS, D + 1] fp32 when NUM_SPLITS > 1
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_cb,  # cache strides in load units
+    stride_cp,
+    stride_ch,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    NUM_SPLITS: gl.constexpr,
+    MIN_TOKENS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    PAGE: gl.constexpr,
+    GROUP: gl.constexpr,
+    KEY_FP8: gl.constexpr,
+    NORM_CORRECTION: gl.constexpr,
+    NORM16: gl.constexpr,  # u16 offset of the key norm (MSE keys)
+    VOFF16: gl.constexpr,  # u16 offset of the value field
+    W: gl.constexpr,
+    MMA: gl.constexpr,
+    A_OP: gl.constexpr,
+    B_OP: gl.constexpr,
+    KW16: gl.constexpr,
+    PTW: gl.constexpr,
+    CW: gl.constexpr,
+    QC: gl.constexpr,
+    LDK: gl.constexpr,
+    LDV: gl.constexpr,
+    KREG: gl.constexpr,
+    VREG: gl.constexpr,
+    TABLE: gl.constexpr,
+    WORD32: gl.constexpr,
+):
+    split = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    row = gl.program_id(2)
+    D: gl.constexpr = HEAD_DIM
+    VW16: gl.constexpr = D // 4
+    U: gl.constexpr = 2 if WORD32 else 1  # u16 words per load unit
+    S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16, 16] scores, in every warp
+    COL: gl.constexpr = gl.SliceLayout(0, S2)  # per token
+    ROW: gl.constexpr = gl.SliceLayout(1, S2)  # per dot row
+
+    # Tokens per split: at least MIN_TOKENS, whole tiles; splits past the end
+    # of a short row stay empty.
+    seq_len = gl.load(Seq_lens_ptr + row)
+    per = gl.maximum(gl.cdiv(seq_len, NUM_SPLITS), MIN_TOKENS)
+    per = gl.cdiv(per, 16) * 16
+    start = split * per
+    end = gl.minimum(start + per, seq_len)
+
+    # The query in A-operand order, QC dimensions per chunk, kept in shared
+    # memory. Slice-local logical k = r0 + 2 t + 8 r1 + 16 j is physical
+    # dimension 32 t + r0 + 2 r1 + 4 j: a thread's B elements are contiguous.
+    NCH: gl.constexpr = _SLICE // QC
+    q_smem = gl.allocate_shared_memory(gl.float16, [NCH, W, 16, QC], _SMEM3)
+    wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, A_OP)))
+    rq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, A_OP)))
+    hq = kv_head * GROUP + rq % 8
+    for c in gl.static_range(NCH):
+        kq = c * QC + gl.arange(
+            0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(1, A_OP))
+        )
+        pq = 32 * ((kq >> 1) & 3) + (kq & 1) + 2 * ((kq >> 3) & 1) + 4 * (kq >> 4)
+        q = gl.load(
+            Q_ptr
+            + row * stride_qb
+            + hq[None, :, None] * stride_qh
+            + wq[:, None, None] * _SLICE
+            + pq[None, None, :],
+            mask=(rq % 8 < GROUP)[None, :, None],
+            other=0.0,
+        ).to(gl.float32)
+        q_smem.index(c).store(_split16(q, (rq < 8)[None, :, None]))
+
+    m_i = gl.full([16], float("-inf"), gl.float32, ROW)
+    l_i = gl.full([16], 0.0, gl.float32, ROW)
+    z_i = gl.full([16], 0.0, gl.float32, ROW)  # sum_n p_n * zero_n
+    acc = gl.full([W, 16, _SLICE], 0.0, gl.float32, MMA)
+
+    if WORD32:
+        k_smem = gl.allocate_shared_memory(gl.int32, [W, 16, 4, PTW], _SMEM4)
+        v_smem = gl.allocate_shared_memory(gl.int32, [W, 16, 16], _SMEM3)
+    else:
+        k16 = gl.allocate_shared_memory(gl.int16, [W, 16, 4, 2 * PTW], _SMEM4)
+        v16 = gl.allocate_shared_memory(gl.int16, [W, 16, 32], _SMEM3)
+        k_smem = k16._reinterpret(gl.int32, [W, 16, 4, PTW], _SMEM4)
+        v_smem = v16._reinterpret(gl.int32, [W, 16, 16], _SMEM3)
+
+    bt_row = Block_table_ptr + row * stride_btb
+    head_off = kv_head.to(gl.int64) * stride_ch
+    nk = gl.arange(0, 16, layout=gl.SliceLayout(1, LDK))
+    wk = gl.arange(0, KW16 // U, layout=gl.SliceLayout(0, LDK))
+    offk = nk[:, None] * stride_cp + wk[None, :]
+    nv = gl.arange(0, 16, layout=gl.SliceLayout(1, LDV))
+    wv = gl.arange(0, VW16 // U, layout=gl.SliceLayout(0, LDV))
+    offv = nv[:, None] * stride_cp + VOFF16 // U + wv[None, :]
+    ns = gl.arange(0, 16, layout=COL)
+    rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
+    zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
+
+    # The next tile's words are loaded before this one is computed (a
+    # register double buffer), so DRAM latency overlaps the dots.
+    kw, vw, w0, w1, w2 = _tile_words(
+        KV_ptr, bt_row, start, end, stride_cb, stride_cp, head_off,
+        offk, offv, nk, nv, ns, PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32,
+    )  # fmt: skip
+    for tile in range(start, end, 16):
+        live = (tile + ns) < end
+        if WORD32:
+            v_scale = _f16_of_u16((w0 & 0xFFFF).to(gl.int16))
+            v_zero = _f16_of_u16((w0 >> 16).to(gl.int16))
+        else:
+            v_scale = _f16_of_u16(w0)
+            v_zero = _f16_of_u16(w1)
+        if KEY_FP8:
+            factor = gl.full([16], 1.0, gl.float32, COL) * qk_scale
+        else:
+            factor = _f16_of_u16(w2) * qk_scale
+        gl.thread_barrier()
+        if WORD32:
+            k_smem.store(gl.permute(gl.reshape(kw, [16, W, 4, PTW]), [1, 0, 2, 3]))
+            v_smem.store(gl.permute(gl.reshape(vw, [16, W, 16]), [1, 0, 2]))
+        else:
+            k16.store(gl.permute(gl.reshape(kw, [16, W, 4, 2 * PTW]), [1, 0, 2, 3]))
+            v16.store(gl.permute(gl.reshape(vw, [16, W, 32]), [1, 0, 2]))
+        gl.thread_barrier()
+        kw, vw, w0, w1, w2 = _tile_words(
+            KV_ptr, bt_row, tile + 16, end, stride_cb, stride_cp, head_off,
+            offk, offv, nk, nv, ns, PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32,
+        )  # fmt: skip
+
+        # ---- scores: each warp over its slice, QC dimensions per chunk ----
+        raw = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
+        for c in gl.static_range(NCH):
+            qc = q_smem.index(c).load(A_OP)
+            kr = k_smem.slice(c * CW, CW, dim=3).load(KREG)
+            if KEY_FP8:
+                f0, f1, f2, f3 = _e4m3x4_to_f16(kr)
+                kf = gl.join(gl.join(f0, f1), gl.join(f2, f3))  # w n t j r0 r1
+                kf = gl.reshape(gl.permute(kf, [0, 3, 5, 2, 4, 1]), [W, QC, 16])
+                kf = gl.convert_layout(kf, B_OP, assert_trivial=True)
+                raw = mma_v2(qc, kf, raw)
+            else:
+                by = gl.join(
+                    gl.join(kr & 0xFF, (kr >> 8) & 0xFF),
+                    gl.join((kr >> 16) & 0xFF, (kr >> 24) & 0xFF),
+                )  # w n t 1 (b & 1) (b >> 1)
+                by = gl.convert_layout(
+                    by, gl.SliceLayout(6, TABLE), assert_trivial=True
+                )
+                col = gl.arange(
+                    0,
+                    4,
+                    layout=gl.SliceLayout(
+                        0,
+                        gl.SliceLayout(
+                            0,
+                            gl.SliceLayout(
+                                0,
+                                gl.SliceLayout(
+                                    0, gl.SliceLayout(0, gl.SliceLayout(0, TABLE))
+                                ),
+                            ),
+                        ),
+                    ),
+                )
+                for _ in gl.static_range(6):
+                    col = gl.expand_dims(col, 0)
+                ent = gl.load(Table_ptr + gl.expand_dims(by, 6) * 4 + col)
+                e01, e23 = gl.split(gl.reshape(ent, [W, 16, 4, 1, 2, 2, 2, 2]))
+                hi_w, csq_w = gl.split(e01)
+                lo_w, _ = gl.split(e23)
+                h0, h1 = _f16x2(hi_w)
+                l0, l1 = _f16x2(lo_w)
+                # dims w n t wj r1 jb r0 (r1 = b & 1, jb = b >> 1, r0 = nibble);
+                # logical k = r0 + 2 t + 8 r1 + 16 (2 wj + jb)
+                ch = gl.reshape(
+                    gl.permute(gl.join(h0, h1), [0, 3, 5, 4, 2, 6, 1]), [W, QC, 16]
+                )
+                cl = gl.reshape(
+                    gl.permute(gl.join(l0, l1), [0, 3, 5, 4, 2, 6, 1]), [W, QC, 16]
+                )
+                raw = mma_v2(qc, gl.convert_layout(ch, B_OP, assert_trivial=True), raw)
+                raw = mma_v2(qc, gl.convert_layout(cl, B_OP, assert_trivial=True), raw)
+                if NORM_CORRECTION:
+                    cs = csq_w.to(gl.float32, bitcast=True)
+                    cs = gl.sum(
+                        gl.sum(gl.sum(gl.sum(cs, axis=5), axis=4), axis=3), axis=2
+                    )
+                    if c == 0:
+                        csq = cs
+                    else:
+                        csq += cs
+        if NORM_CORRECTION:  # MSE keys only
+            csq_t = gl.convert_layout(gl.sum(csq, axis=0), COL)
+            factor = factor / gl.sqrt(csq_t + 1e-16)
+        s = gl.sum(raw, axis=0)  # across the warps' slices
+        s8 = gl.sum(gl.reshape(s, [2, 8, 16]), axis=0)  # head + tail rows
+        s = gl.reshape(gl.permute(gl.join(s8, s8), [2, 0, 1]), [16, 16])
+        s = gl.convert_layout(s, S2, assert_trivial=True)
+        s = gl.where(live[None, :], s * factor[None, :], float("-inf"))
+
+        # ---- online softmax (every warp holds the whole score tile) ----
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        z_i = z_i * alpha + gl.sum(p * v_zero[None, :], axis=1)
+        p2 = gl.expand_dims(_split16(p * v_scale[None, :], rows_lo), 0) + zeros_p
+        p2 = gl.convert_layout(p2, A_OP, assert_trivial=True)
+
+        # ---- values: [W, 16 k, 16 words] -> B operand [W, 16 k, _SLICE] ----
+        vr = gl.reshape(v_smem.load(VREG), [W, 16, 8, 2])  # w k g wd
+        n0, n1, n2, n3, n4, n5, n6, n7 = _u4x8_to_f16(vr)
+        vv = gl.join(
+            gl.join(gl.join(n0, n1), gl.join(n2, n3)),
+            gl.join(gl.join(n4, n5), gl.join(n6, n7)),
+        )  # w k g wd b0 b1 b2
+        # slice-local logical n = g + 8 (8 wd + nibble)
+        vv = gl.reshape(gl.permute(vv, [0, 1, 3, 6, 5, 4, 2]), [W, 16, _SLICE])
+        vv = gl.convert_layout(vv, B_OP, assert_trivial=True)
+        a3 = gl.convert_layout(
+            alpha, gl.SliceLayout(0, gl.SliceLayout(2, MMA)), assert_trivial=True
+        )
+        acc = mma_v2(p2, vv, acc * gl.expand_dims(gl.expand_dims(a3, 0), 2))
+        m_i = m_new
+
+    # Rows r and r + 8 carry the fp16 head and tail of p * scale; m, l, z are
+    # equal in both.
+    O3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+    H8: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, O3))
+    out = gl.convert_layout(gl.sum(gl.reshape(acc, [W, 2, 8, _SLICE]), axis=1), O3)
+    l8 = gl.convert_layout(gl.max(gl.reshape(l_i, [2, 8]), axis=0), H8)
+    m8 = gl.convert_layout(gl.max(gl.reshape(m_i, [2, 8]), axis=0), H8)
+    z8 = gl.convert_layout(gl.max(gl.reshape(z_i, [2, 8]), axis=0), H8)
+    safe_l = gl.where(l8 > 0.0, l8, 1.0)
+    out = (out + z8[None, :, None]) / safe_l[None, :, None]
+    ow = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, O3)))
+    o8 = gl.arange(0, 8, layout=H8)
+    oc = gl.arange(0, _SLICE, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))
+    # Slice-local logical column n = g + 8 jn is physical dimension 16 g + jn.
+    phys = ow[:, None, None] * _SLICE + (16 * (oc % 8) + oc // 8)[None, None, :]
+    h8 = kv_head * GROUP + o8
+    omask = (o8 < GROUP)[None, :, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = Out_ptr + row * stride_ob + h8[None, :, None] * stride_oh + phys
+        gl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # An empty split stores zeros and lse = -inf; the merge skips it.
+        mid = Mid_ptr + row * stride_mb + h8 * stride_mh + split * stride_ms
+        gl.store(mid[None, :, None] + phys, out, mask=omask)
+        lse = gl.where(l8 > 0.0, m8 + gl.log2(safe_l), float("-inf"))
+        gl.store(mid + D, lse, mask=o8 < GROUP)
+
+
+def words32_aligned(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache can be read as 32-bit words (every stride and the
+    base 4-byte aligned, and the slot a whole number of words)."""
+    return (
+        kv_cache.data_ptr() % 4 == 0
+        and all(s % 4 == 0 for s in kv_cache.stride()[:-1])
+        and (kv_cache.shape[-1] % 4 == 0)
+    )
+
+
+def stage1(
+    q_in: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    table: torch.Tensor | None,
+    out: torch.Tensor,
+    mid: torch.Tensor,
+    qk_scale: float,
+    num_splits: int,
+    min_split_tokens: int,
+    group: int,
+    key_packed_size: int,
+    mse_bits: int,
+    key_fp8: bool,
+    norm_correction: bool,
+    runner=None,
+) -> None:
+    """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
+    launch in tests that execute the kernel's body elsewhere)."""
+    B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
+    # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
+    # MSE presets' slots are 2 bytes longer than a multiple of 4).
+    word32 = key_fp8 and words32_aligned(kv_cache)
+    unit = 4 if word32 else 2
+    st = kv_cache.stride()
+    words = kv_cache.view(torch.int32 if word32 else torch.int16)
+    conf = launch_config(D, key_fp8, word32)
+    args = (
+        q_in,
+        words,
+        block_table,
+        seq_lens,
+        table if table is not None else seq_lens,  # not read for FP8 keys
+        out,
+        mid,
+        qk_scale,
+        q_in.stride(0),
+        q_in.stride(1),
+        st[0] // unit,
+        st[1] // unit,
+        st[2] // unit,
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2) if num_splits > 1 else 0,
+    )
+    constexprs = dict(
+        NUM_SPLITS=num_splits,
+        MIN_TOKENS=min_split_tokens,
+        HEAD_DIM=D,
+        PAGE=kv_cache.shape[1],
+        GROUP=group,
+        KEY_FP8=bool(key_fp8),
+        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+        NORM16=0 if key_fp8 else D * mse_bits // 16,
+        VOFF16=key_packed_size // 2,
+        **conf,
+    )
+    grid = (num_splits, Hk, B)
+    if runner is not None:
+        runner(_stage1, grid, args, constexprs)
+        return
+    _stage1[grid](*args, **constexprs, num_warps=conf["W"])
