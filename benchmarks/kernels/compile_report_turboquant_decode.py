@@ -53,6 +53,21 @@ def loop_instructions(ptx: str) -> int:
     return sum(1 for line in lines[start:end] if line and not line.startswith(skip))
 
 
+def _ptxas_info(ptx: str, arch: int) -> str:
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        return subprocess.run(
+            [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        ).stderr
+
+
 def compile_stage1(
     preset, head_dim, group, geometry, arch, query_dtype="bf16", word16=True
 ):
@@ -112,16 +127,7 @@ def compile_stage1(
             **({"maxnreg": maxnreg} if maxnreg else {}),
         ),
     )
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        info = subprocess.run(
-            [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-        ).stderr
+    info = _ptxas_info(kernel.asm["ptx"], arch)
     registers = int(re.search(r"Used (\d+) registers", info).group(1))
     loop = loop_instructions(kernel.asm["ptx"])
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
@@ -133,26 +139,7 @@ def compile_stage1(
     return registers, spills, shared, per_sm, loop * num_warps / block_n
 
 
-def _ptxas_info(ptx: str, arch: int) -> str:
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        return subprocess.run(
-            [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-        ).stderr
-
-
-def compile_gluon_stage1(preset, head_dim, group, arch, word32=None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+def compile_gluon_stage1(preset, head_dim, group, arch):
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
@@ -163,57 +150,26 @@ def compile_gluon_stage1(preset, head_dim, group, arch, word32=None):
         head_dim, group, 16, cfg.key_fp8, cfg.key_mse_bits, cfg.value_quant_bits
     ):
         raise ValueError("not served by the Gluon stage 1")
-    # 32-bit words where the slots allow them (FP8 keys), as stage1() decides.
-    word32 = cfg.key_fp8 if word32 is None else word32
-    conf = gluon_decode.launch_config(head_dim, cfg.key_fp8, word32)
-    fn = gluon_decode._stage1
-    pointers = dict(
-        Q_ptr="*bf16" if cfg.key_fp8 else "*fp32",
-        KV_ptr="*i32" if word32 else "*i16",
-        Block_table_ptr="*i32",
-        Seq_lens_ptr="*i32",
-        Table_ptr="*i32",
-        Out_ptr="*bf16",
-        Mid_ptr="*fp32",
-        qk_scale="fp32",
-    )
-    constants = dict(
-        NUM_SPLITS=2,
-        MIN_TOKENS=256,
-        HEAD_DIM=head_dim,
-        PAGE=16,
-        GROUP=group,
-        KEY_FP8=cfg.key_fp8,
-        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
-        NORM16=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 16,
-        VOFF16=cfg.key_packed_size // 2,
-        **conf,
-    )
-    signature = {
-        name: "constexpr" if name in constants else pointers.get(name, "i32")
-        for name in fn.arg_names
-    }
-    # Pointers 16-byte aligned, as Triton specializes them at launch.
-    attrs = {
-        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
-        for n in pointers
-        if n.endswith("_ptr")
-    }
-    kernel = triton.compile(
-        GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=conf["W"]),
+    kernel = gluon_decode.static_compile(
+        head_dim,
+        group,
+        cfg.key_fp8,
+        cfg.key_mse_bits,
+        cfg.key_packed_size,
+        cfg.norm_correction,
+        arch,
     )
     info = _ptxas_info(kernel.asm["ptx"], arch)
     registers = int(re.search(r"Used (\d+) registers", info).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     shared = kernel.metadata.shared
+    warps = kernel.metadata.num_warps
     per_sm = min(
-        REGISTERS_PER_SM // (registers * 32 * conf["W"]),
+        REGISTERS_PER_SM // (registers * 32 * warps),
         SHARED_PER_SM // max(shared, 1),
     )
     loop = loop_instructions(kernel.asm["ptx"])
-    return registers, spills, shared, per_sm, loop * conf["W"] / gluon_decode.TILE
+    return registers, spills, shared, per_sm, loop * warps / gluon_decode.TILE
 
 
 def main():

@@ -211,43 +211,14 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
         # gl.sum and friends become interpreter functions, which compile
         # cannot take; the session without the interpreter runs this.
         pytest.skip("compiled in the session without the Triton interpreter")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
-    conf = gluon_decode.launch_config(head_dim, cfg.key_fp8, cfg.key_fp8)
-    fn = gluon_decode._stage1
-    pointers = dict(
-        Q_ptr="*bf16" if cfg.key_fp8 else "*fp32",
-        KV_ptr="*i32" if cfg.key_fp8 else "*i16",
-        Block_table_ptr="*i32",
-        Seq_lens_ptr="*i32",
-        Table_ptr="*i32",
-        Out_ptr="*bf16",
-        Mid_ptr="*fp32",
-        qk_scale="fp32",
-    )
-    constants = dict(
-        NUM_SPLITS=2,
-        MIN_TOKENS=256,
-        HEAD_DIM=head_dim,
-        PAGE=16,
-        GROUP=gqa,
-        KEY_FP8=cfg.key_fp8,
-        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
-        NORM16=0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 16,
-        VOFF16=cfg.key_packed_size // 2,
-        **conf,
-    )
-    signature = {
-        n: "constexpr" if n in constants else pointers.get(n, "i32")
-        for n in fn.arg_names
-    }
-    kernel = triton.compile(
-        GluonASTSource(fn, signature, constexprs=constants),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=conf["W"]),
+    kernel = gluon_decode.static_compile(
+        head_dim,
+        gqa,
+        cfg.key_fp8,
+        cfg.key_mse_bits,
+        cfg.key_packed_size,
+        cfg.norm_correction,
     )
     assert kernel.metadata.num_warps == head_dim // 128
     assert "mma.sync" in kernel.asm["ptx"]

@@ -575,6 +575,32 @@ def words32_aligned(kv_cache: torch.Tensor) -> bool:
     )
 
 
+def _constexprs(
+    head_dim: int,
+    group: int,
+    page: int,
+    key_fp8: bool,
+    mse_bits: int,
+    key_packed_size: int,
+    norm_correction: bool,
+    word32: bool,
+    num_splits: int,
+    min_split_tokens: int,
+) -> dict:
+    return dict(
+        NUM_SPLITS=num_splits,
+        MIN_TOKENS=min_split_tokens,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        GROUP=group,
+        KEY_FP8=bool(key_fp8),
+        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+        NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
+        VOFF16=key_packed_size // 2,
+        **launch_config(head_dim, key_fp8, word32),
+    )
+
+
 def stage1(
     q_in: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -595,14 +621,14 @@ def stage1(
 ) -> None:
     """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
     launch in tests that execute the kernel's body elsewhere)."""
+    # The caller's module; imported here because it imports this one.
+    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import stage1_strides
+
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4).
     word32 = key_fp8 and words32_aligned(kv_cache)
-    unit = 4 if word32 else 2
-    st = kv_cache.stride()
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
-    conf = launch_config(D, key_fp8, word32)
     args = (
         q_in,
         words,
@@ -612,32 +638,71 @@ def stage1(
         out,
         mid,
         qk_scale,
-        q_in.stride(0),
-        q_in.stride(1),
-        st[0] // unit,
-        st[1] // unit,
-        st[2] // unit,
-        block_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        mid.stride(0),
-        mid.stride(1),
-        mid.stride(2) if num_splits > 1 else 0,
+        *stage1_strides(q_in, kv_cache, 4 if word32 else 2, block_table, out, mid),
     )
-    constexprs = dict(
-        NUM_SPLITS=num_splits,
-        MIN_TOKENS=min_split_tokens,
-        HEAD_DIM=D,
-        PAGE=kv_cache.shape[1],
-        GROUP=group,
-        KEY_FP8=bool(key_fp8),
-        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
-        NORM16=0 if key_fp8 else D * mse_bits // 16,
-        VOFF16=key_packed_size // 2,
-        **conf,
+    constexprs = _constexprs(
+        D,
+        group,
+        kv_cache.shape[1],
+        key_fp8,
+        mse_bits,
+        key_packed_size,
+        norm_correction,
+        word32,
+        num_splits,
+        min_split_tokens,
     )
     grid = (num_splits, Hk, B)
     if runner is not None:
         runner(_stage1, grid, args, constexprs)
         return
-    _stage1[grid](*args, **constexprs, num_warps=conf["W"])
+    _stage1[grid](*args, **constexprs, num_warps=constexprs["W"])
+
+
+def static_compile(
+    head_dim: int,
+    group: int,
+    key_fp8: bool,
+    mse_bits: int,
+    key_packed_size: int,
+    norm_correction: bool,
+    arch: int = 90,
+    word32: bool | None = None,
+):
+    """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
+    reports): bf16 queries and outputs, pages of 16 tokens, two splits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    # 32-bit words where the slots allow them (FP8 keys), as stage1() decides.
+    word32 = key_fp8 if word32 is None else word32
+    constexprs = _constexprs(
+        head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
+        word32, 2, 256,
+    )  # fmt: skip
+    pointers = dict(
+        Q_ptr="*bf16" if key_fp8 else "*fp32",
+        KV_ptr="*i32" if word32 else "*i16",
+        Block_table_ptr="*i32",
+        Seq_lens_ptr="*i32",
+        Table_ptr="*i32",
+        Out_ptr="*bf16",
+        Mid_ptr="*fp32",
+        qk_scale="fp32",
+    )
+    names = _stage1.arg_names
+    signature = {
+        n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names
+    }
+    # Pointers 16-byte aligned, as Triton specializes them at launch.
+    aligned = {
+        (names.index(n),): [["tt.divisibility", 16]]
+        for n in pointers
+        if n.endswith("_ptr")
+    }
+    return triton.compile(
+        GluonASTSource(_stage1, signature, constexprs=constexprs, attrs=aligned),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=constexprs["W"]),
+    )

@@ -962,7 +962,6 @@ def decode_attention(
     launch_opts = {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
     word16 = words_aligned(kv_cache)
     unit = 2 if word16 else 1
-    st = kv_cache.stride()
     mse_bytes = 0 if key_fp8 else D * mse_bits // 8
     _tq_decode_split_stage1[(num_splits, Hk, B)](
         q_in,
@@ -974,17 +973,7 @@ def decode_attention(
         out,
         mid,
         scale * _LOG2E,
-        q_in.stride(0),
-        q_in.stride(1),
-        st[0] // unit,
-        st[1] // unit,
-        st[2] // unit,
-        block_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        mid.stride(0),
-        mid.stride(1),
-        mid.stride(2) if num_splits > 1 else 0,
+        *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
         NUM_SPLITS=num_splits,
         MIN_TOKENS=min_split_tokens,
         HEAD_DIM=D,
@@ -1006,6 +995,33 @@ def decode_attention(
         **launch_opts,
     )
     return _merge(mid, out, num_splits, D)
+
+
+def stage1_strides(
+    q_in: torch.Tensor,
+    kv_cache: torch.Tensor,
+    unit: int,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    mid: torch.Tensor,
+) -> tuple[int, ...]:
+    """The strides both stage 1 kernels take, in their order: query, cache (in
+    load units of ``unit`` bytes), block table, output, scratch (``mid`` is
+    ``out`` when there is one split; its split stride is then unused)."""
+    st = kv_cache.stride()
+    return (
+        q_in.stride(0),
+        q_in.stride(1),
+        st[0] // unit,
+        st[1] // unit,
+        st[2] // unit,
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2) if mid.dim() == 4 else 0,
+    )
 
 
 def _merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int, D: int):
