@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # hybridkv's tests, from a fresh CPU-only machine: runs scripts/setup.sh (the main job),
-# then lint, our tests, each patch's tests at its place in the series, and vLLM
-# 0.20.2's own tests for the code the series touches (against the installed wheel). GPU tests (-m gpu) are skipped here; they run
+# then lint, our tests, vLLM 0.20.2's own tests for the code the series touches (against
+# the installed wheel) and, beside them, each patch's tests at its place in the series. GPU tests (-m gpu) are skipped here; they run
 # on the GPU host through scripts/gpu-suite.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,13 @@ resolve_log=$(mktemp)
   -k test_fresh_install_resolves_a_set_that_runs_gemma4 >"$resolve_log" 2>&1 &
 resolve_pid=$!
 
+# Each patch at its place runs beside the steps below: CI has two cores and every step is
+# one pytest process, and the prefix trees share nothing with them but read-only files
+# (link farms of the pristine wheel, PYTHONPATH-only). Reported after them.
+prefix_log=$(mktemp)
+"$VENV/bin/hybridkv" prefix-test --skip-full >"$prefix_log" 2>&1 &  # the last patch's place is the wheel tested below
+prefix_pid=$!
+
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
 "$VENV/bin/hybridkv" lint
 
@@ -30,9 +37,6 @@ printf '\n== Triton kernels under the CPU interpreter (tests/kernels)\n'
 # Its own process: the interpreter must be chosen before Triton and vLLM load.
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
 
-printf '\n== each patch at its place: patches 1..N on pristine vLLM, patch N'"'"'s tests\n'
-"$VENV/bin/hybridkv" prefix-test --skip-full  # the last patch's place is the wheel tested above
-
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
 mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)
@@ -42,6 +46,13 @@ mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .
 mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.txt" | grep .)
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
+
+printf '\n== each patch at its place: patches 1..N on pristine vLLM, patch N'"'"'s tests (ran beside the steps above)\n'
+if ! wait "$prefix_pid"; then
+  cat "$prefix_log"
+  exit 1
+fi
+cat "$prefix_log"
 
 printf '\n== fresh pip install of the wheel resolves a set that runs Gemma 4 (PyPI, ran beside the steps above)\n'
 if ! wait "$resolve_pid"; then
