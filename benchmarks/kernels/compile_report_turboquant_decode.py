@@ -175,8 +175,10 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--presets", nargs="*", default=PRESETS)
-    ap.add_argument("--head-dims", nargs="*", type=int, default=[128, 256, 512])
+    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
+    ap.add_argument(
+        "--head-dims", nargs="*", type=int, default=[128, 256, 512], choices=sorted(GQA)
+    )
     ap.add_argument(
         "--geometries",
         nargs="*",

@@ -32,3 +32,16 @@ def test_compile_report_prints_a_row_per_case(extra):
     if extra:  # preset, head_dim, registers, spill bytes, shared, programs/SM, loop
         fields = rows[0].split()
         assert int(fields[2]) <= 255 and int(fields[3]) == 0, rows[0]
+
+
+def test_compile_report_names_a_head_dim_it_has_no_case_for():
+    out = subprocess.run(
+        [sys.executable, str(REPORT), "--head-dims", "100"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert (
+        "--head-dims: invalid choice: 100 (choose from 64, 128, 256, 512)" in out.stderr
+    )

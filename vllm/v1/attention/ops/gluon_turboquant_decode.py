@@ -565,16 +565,6 @@ def _stage1(
         gl.store(mid + D, lse, mask=o8 < GROUP)
 
 
-def words32_aligned(kv_cache: torch.Tensor) -> bool:
-    """Whether the cache can be read as 32-bit words (every stride and the
-    base 4-byte aligned, and the slot a whole number of words)."""
-    return (
-        kv_cache.data_ptr() % 4 == 0
-        and all(s % 4 == 0 for s in kv_cache.stride()[:-1])
-        and (kv_cache.shape[-1] % 4 == 0)
-    )
-
-
 def _constexprs(
     head_dim: int,
     group: int,
@@ -622,12 +612,15 @@ def stage1(
     """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
     launch in tests that execute the kernel's body elsewhere)."""
     # The caller's module; imported here because it imports this one.
-    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import stage1_strides
+    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
+        stage1_strides,
+        words_aligned,
+    )
 
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4).
-    word32 = key_fp8 and words32_aligned(kv_cache)
+    word32 = key_fp8 and words_aligned(kv_cache, 4)
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
     args = (
         q_in,

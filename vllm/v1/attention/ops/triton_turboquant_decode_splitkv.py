@@ -120,7 +120,8 @@ def _use_fp8_e4b15(device: torch.device) -> int:
     return use_e4b15(device.index or 0)
 
 
-_gluon_capable: dict[int, bool] = {}
+# The Gluon stage-1 module per CUDA device index, or None where it cannot run.
+_gluon_modules: dict[int, object] = {}
 
 
 def _gluon_module(device: torch.device, enabled: bool = _MODE == "gluon"):
@@ -132,19 +133,15 @@ def _gluon_module(device: torch.device, enabled: bool = _MODE == "gluon"):
     if not enabled or device.type != "cuda":
         return None
     index = device.index or 0
-    if index not in _gluon_capable:
-        capable = torch.cuda.get_device_capability(index) >= (8, 9)
-        if capable:
+    if index not in _gluon_modules:
+        module = None
+        if torch.cuda.get_device_capability(index) >= (8, 9):
             try:
-                from vllm.v1.attention.ops import gluon_turboquant_decode  # noqa: F401
+                from vllm.v1.attention.ops import gluon_turboquant_decode as module
             except ImportError:
-                capable = False
-        _gluon_capable[index] = capable
-    if not _gluon_capable[index]:
-        return None
-    from vllm.v1.attention.ops import gluon_turboquant_decode
-
-    return gluon_turboquant_decode
+                module = None
+        _gluon_modules[index] = module
+    return _gluon_modules[index]
 
 
 # Tests that run the Gluon kernel's body off the GPU set these.
@@ -152,27 +149,35 @@ _gluon_for = _gluon_module
 _gluon_runner = None
 
 
-def words_aligned(kv_cache: torch.Tensor) -> bool:
-    """Whether every packed field of every slot starts at an even address.
+def words_aligned(kv_cache: torch.Tensor, width: int = 2) -> bool:
+    """Whether every packed field of every slot starts at a multiple of
+    ``width`` bytes, so the cache can be read as ``width``-byte words.
 
     Field offsets inside a slot are even (see ``TurboQuantConfig``); an odd
     page, token or head stride (a page padded to an odd size) or an odd base
-    address breaks that, and the kernel must load bytes.
+    address breaks that, and the kernel must load bytes. Only FP8-key slots
+    are also whole 4-byte words.
     """
     return (
-        kv_cache.data_ptr() % 2 == 0
-        and kv_cache.shape[-1] % 2 == 0
-        and all(st % 2 == 0 for st in kv_cache.stride()[:-1])
+        kv_cache.data_ptr() % width == 0
+        and kv_cache.shape[-1] % width == 0
+        and all(st % width == 0 for st in kv_cache.stride()[:-1])
     )
 
 
-def num_kv_splits(batch: int, num_kv_heads: int, max_splits: int, sms: int) -> int:
+def num_kv_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_splits: int,
+    sms: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
     """Context splits per (row, KV head): enough programs to fill the GPU.
 
     Depends on shapes and the device only, so a CUDA graph captured for a
     batch size replays correctly for any sequence lengths.
     """
-    want = -(-(PROGRAMS_PER_SM * sms) // max(batch * num_kv_heads, 1))
+    want = -(-(programs_per_sm * sms) // max(batch * num_kv_heads, 1))
     return max(1, min(max_splits, want))
 
 
@@ -920,10 +925,10 @@ def decode_attention(
             gluon = None
             table = None
     if num_splits is None:
-        sms = _num_sms(device)
+        per_sm = PROGRAMS_PER_SM
         if gluon is not None:
-            sms = sms * GLUON_PROGRAMS_PER_SM // PROGRAMS_PER_SM // (D // gluon.SLICE)
-        num_splits = num_kv_splits(B, Hk, cap, max(sms, 1))
+            per_sm = max(GLUON_PROGRAMS_PER_SM // (D // gluon.SLICE), 1)
+        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device), per_sm)
     if num_splits > 1:
         if has_mid and mid_o_buf.shape[2] >= num_splits:
             mid = mid_o_buf
