@@ -240,8 +240,9 @@ def run_child(spec: dict) -> dict:
     return results
 
 
-def profile_scenario(llm, batch, params) -> dict:
-    """One untimed pass, then one under torch.profiler: a step profile."""
+def profile_scenario(llm, batch, params) -> list[dict]:
+    """One untimed pass, then one under torch.profiler: a step profile, as a
+    list of one (the shape of the timed runs' per-repeat results)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
