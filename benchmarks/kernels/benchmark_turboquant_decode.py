@@ -8,11 +8,13 @@ One command on a GPU host with the patched vLLM importable:
 
 For every case (query/KV heads x head_dim, batch x context) and TurboQuant
 preset it prints the bytes the decode kernel must read, the floor (bytes over
-the copy bandwidth measured in the same run), the median time (CUDA events,
-L2 flushed before every timed call) of FlashAttention bf16, of 0.20.2's kernel
-(``old``, ``triton_turboquant_decode_attention``) and of the split-KV kernel
-when patch 0017 is applied (``new``, ``triton_turboquant_decode_splitkv.
-decode_attention`` with the backend's shared scratch), the fraction of copy
+the copy bandwidth measured in the same run), the median GPU time (CUDA
+events, L2 flushed before every timed call, the launch hidden behind a GPU
+sleep; see ``Timer``) of FlashAttention bf16, of 0.20.2's kernel (``old``,
+``triton_turboquant_decode_attention``) and of the split-KV kernel when patch
+0017 is applied (``new``, ``triton_turboquant_decode_splitkv.decode_attention``
+with the backend's shared scratch; which stage 1 it took, Gluon or Triton, and
+its host launch time), the fraction of copy
 bandwidth each reaches, the speed ratio to FA, and each kernel's error against
 a float64 attention over the same packed cache (first and last batch row;
 scratch and outputs poisoned with NaN before the checked call). Then
@@ -112,24 +114,41 @@ def tq_config(preset, head_dim):
 
 
 class Timer:
+    """GPU time of a call: CUDA events around it, L2 flushed before it, and
+    the GPU kept busy while the host launches it, so a slow Python launch
+    path does not show up as kernel time (decode steps replay CUDA graphs).
+    The host's launch time is kept apart (``host_us``)."""
+
+    # ~1 ms of GPU sleep ahead of each timed call: longer than any launch
+    # path measured here (the Gluon one took up to ~0.8 ms before its
+    # launch constants were cached).
+    SLEEP_CYCLES = 2_000_000
+
     def __init__(self, iters: int, warmup: int):
         self.iters, self.warmup = iters, warmup
         # Larger than H100/H200 L2 (50/60 MB): every timed call starts cold.
         self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        self.host_us: float | None = None
 
     def __call__(self, fn) -> float:
-        """Median microseconds of fn()."""
+        """Median microseconds of fn() on the GPU; median host launch time of
+        fn() in ``self.host_us``."""
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        host = []
         for s, e in zip(starts, ends):
+            torch.cuda._sleep(self.SLEEP_CYCLES)
             self.flush.zero_()
             s.record()
+            t = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t) * 1e6)
             e.record()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+        self.host_us = statistics.median(host)
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
@@ -362,6 +381,25 @@ def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **
     )
 
 
+def stage1_of(run) -> str | None:
+    """Which stage 1 the split-KV call ``run`` launches: "gluon" or "triton"
+    (None without a call)."""
+    if run is None:
+        return None
+    try:
+        from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
+    except ImportError:
+        return "triton"
+    calls = []
+    real = gluon.stage1
+    gluon.stage1 = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        run()
+    finally:
+        gluon.stage1 = real
+    return "gluon" if calls else "triton"
+
+
 def guarded(timer, log, what, run):
     """(first output as fp32, median µs), or (None, None) with the error logged."""
     if run is None:
@@ -426,6 +464,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
             )
             old_out, old_us = guarded(timer, log, f"old {label} {preset}", old)
             new_out, new_us = guarded(timer, log, f"new {label} {preset}", new)
+            new_host_us = timer.host_us if new_us is not None else None
             check_rows = sorted({0, B - 1})
             errs = {
                 name: None
@@ -452,6 +491,8 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     floor_us=nbytes / bw * 1e6,
                     old_us=old_us,
                     new_us=new_us,
+                    new_host_us=new_host_us,
+                    stage1=stage1_of(new),
                     fa_us=fa_us,
                     rel_diff_new_old=diff,
                     old_err=errs["old"],
@@ -625,7 +666,8 @@ def fmt_row(r, bw):
         f"  {r['case']:16s} {r['heads']:9s} {r['batch']:3d}x{r['context']:<6d} "
         f"{r['kv']:10s} {r['bytes'] / 1e6:9.1f} MB floor {fmt_us(r['floor_us']):>8s} | "
         f"old {fmt_us(old):>9s} ({fmt_pct(pct(r['bytes'], old, bw)):>4s}) | "
-        f"new {fmt_us(new):>9s} ({fmt_pct(pct(r['bytes'], new, bw)):>4s}) | "
+        f"new {fmt_us(new):>9s} ({fmt_pct(pct(r['bytes'], new, bw)):>4s}) "
+        f"{r.get('stage1') or '':6s} host {fmt_us(r.get('new_host_us')):>6s} | "
         f"FA {fmt_us(fa):>8s} | FA/new {ratio:>6s} | new vs old {speedup:>6s}"
         + (
             f" | diff {r['rel_diff_new_old']:.1e}"
@@ -653,7 +695,9 @@ def markdown(meta, rows, bw):
             f"Device: {meta['device']}; torch {meta['torch']}, "
             f"triton {meta['triton']}, vLLM {meta['vllm']}; "
             f"copy bandwidth measured {bw / 1e9:,.0f} GB/s "
-            "(read+write); medians of CUDA events, L2 flushed before each call."
+            "(read+write); medians of CUDA events, L2 flushed before each call, "
+            "GPU kept busy while the host launches it (host µs: the launch "
+            "call's own time)."
         ),
         "",
         "## Decode",
@@ -661,10 +705,10 @@ def markdown(meta, rows, bw):
         (
             "| case | batch x context | KV | MB read | floor µs | FA bf16 µs "
             "| old µs (% BW) "
-            "| new µs (% BW) | FA/new | FA/old | new vs old | rel. diff new-old "
-            "| f64 err old | f64 err new |"
+            "| new µs (% BW) | new stage 1 | new host µs | FA/new | FA/old "
+            "| new vs old | rel. diff new-old | f64 err old | f64 err new |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["kind"] != "decode" or r["kv"].startswith("bf16"):
@@ -676,6 +720,7 @@ def markdown(meta, rows, bw):
             f"{r['bytes'] / 1e6:,.1f} | {fmt_us(r['floor_us'])} | {fmt_us(fa)} | "
             f"{fmt_us(old)} ({fmt_pct(pct(r['bytes'], old, bw))}) | "
             f"{fmt_us(new)} ({fmt_pct(pct(r['bytes'], new, bw))}) | "
+            f"{r.get('stage1') or 'n/a'} | {fmt_us(r.get('new_host_us'))} | "
             f"{f'{fa / new:.2f}x' if fa and new else 'n/a'} | "
             f"{f'{fa / old:.2f}x' if fa and old else 'n/a'} | "
             f"{f'{old / new:.1f}x' if old and new else 'n/a'} | "
