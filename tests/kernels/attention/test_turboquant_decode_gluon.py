@@ -2,17 +2,17 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Gluon stage 1 of the split-KV TurboQuant decode against float64.
 
-The Gluon stage 1 runs only with ``HYBRIDKV_TQ_DECODE=gluon`` until it is
-measured on a GPU; these tests route to it themselves.
+``decode_attention`` takes the Gluon stage 1 on sm_89+ GPUs wherever it
+serves; these tests route to it themselves.
 
 Off the GPU (the Triton interpreter session, ``HYBRIDKV_TRITON_INTERPRET=1``)
 the kernel's body runs on NumPy (``gluon_numpy``: logical semantics, NumPy
 models of its inline asm and mma) behind the real ``decode_attention`` call,
 whose split merge runs under the Triton interpreter; the reference and the
 cases are the split-KV tests'. On a GPU (``gpu`` tests) the kernel runs
-natively against the same reference and the Triton stage 1; with
-``HYBRIDKV_TQ_DECODE=gluon`` set, ``test_turboquant_decode_splitkv``'s GPU
-tests (real shapes, CUDA-graph replay) take it wherever it serves.
+natively against the same reference and the Triton stage 1, and
+``test_turboquant_decode_splitkv``'s GPU tests (real shapes, CUDA-graph
+replay) take it wherever it serves.
 """
 
 import importlib

@@ -410,6 +410,14 @@ def test_split_count_ignores_sequence_lengths():
     assert splitkv.num_kv_splits(1, 8, 4, 132) == 4
 
 
+def test_decode_mode_names_a_kernel_or_says_which_exist():
+    assert splitkv.decode_mode("") == "gluon"  # the default
+    assert splitkv.decode_mode(" Triton ") == "triton"
+    assert splitkv.decode_mode("legacy") == "legacy"
+    with pytest.raises(ValueError, match=r"HYBRIDKV_TQ_DECODE='fast'.*gluon, triton"):
+        splitkv.decode_mode("fast")
+
+
 def test_serves_every_supported_layout():
     for d in (64, 128, 256, 512):
         for gqa in range(1, 9):

@@ -31,9 +31,14 @@ value crosses threads:
 It writes the same partial results as the Triton stage 1 (``Out`` with one
 split, else ``Mid`` and the log-sum-exp), so the same merge kernel follows.
 
-Not yet run on a GPU: ``decode_attention`` takes it only with
-``HYBRIDKV_TQ_DECODE=gluon`` (benchmarks/NOTES.md, "Release 9 plan").
+``decode_attention`` takes it wherever it serves (``HYBRIDKV_TQ_DECODE=triton``
+keeps the Triton stage 1). On an H100 its stage 1 ran in half the Triton
+stage 1's time at 16 x 8K (benchmarks/NOTES.md, "Release 9").
 """
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from triton.experimental import gluon
@@ -565,6 +570,10 @@ def _stage1(
         gl.store(mid + D, lse, mask=o8 < GROUP)
 
 
+# Layouts are Python objects built per launch config; building them took
+# ~90 µs of host time per call, which eager (mixed prefill/decode) steps pay
+# for every layer.
+@functools.cache
 def _constexprs(
     head_dim: int,
     group: int,
@@ -576,18 +585,20 @@ def _constexprs(
     word32: bool,
     num_splits: int,
     min_split_tokens: int,
-) -> dict:
-    return dict(
-        NUM_SPLITS=num_splits,
-        MIN_TOKENS=min_split_tokens,
-        HEAD_DIM=head_dim,
-        PAGE=page,
-        GROUP=group,
-        KEY_FP8=bool(key_fp8),
-        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
-        NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
-        VOFF16=key_packed_size // 2,
-        **launch_config(head_dim, key_fp8, word32),
+) -> Mapping[str, object]:
+    return MappingProxyType(
+        dict(
+            NUM_SPLITS=num_splits,
+            MIN_TOKENS=min_split_tokens,
+            HEAD_DIM=head_dim,
+            PAGE=page,
+            GROUP=group,
+            KEY_FP8=bool(key_fp8),
+            NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+            NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
+            VOFF16=key_packed_size // 2,
+            **launch_config(head_dim, key_fp8, word32),
+        )
     )
 
 

@@ -36,6 +36,10 @@ Here one program owns (context split, KV head, row):
 Each row is independent (its own ``seq_lens`` entry and block-table row), so
 one launch serves plain decode rows, speculative verify rows (one row per
 query token of a request) and CUDA-graph padding rows (seq_len 0, output 0).
+
+On sm_89+ GPUs the first kernel is, for the layouts it serves, the Gluon
+stage 1 (``gluon_turboquant_decode``): the same inputs and partial results,
+without the shared-memory round trips Triton puts around every dot.
 """
 
 import os
@@ -44,11 +48,24 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-# HYBRIDKV_TQ_DECODE (A/B runs): unset, this module's Triton stage 1;
-# "gluon", the Gluon stage 1 where it serves (gluon_turboquant_decode: CUDA
-# sm_89+; not yet measured on a GPU, so not the default); "legacy", 0.20.2's
-# kernel instead.
-_MODE = os.environ.get("HYBRIDKV_TQ_DECODE", "").strip().lower()
+# HYBRIDKV_TQ_DECODE (A/B runs): unset or "gluon", the Gluon stage 1
+# (gluon_turboquant_decode: CUDA sm_89+) where it serves, else this module's
+# Triton stage 1; "triton", the Triton stage 1 only; "legacy", 0.20.2's kernel.
+DECODE_MODES = ("gluon", "triton", "legacy")
+
+
+def decode_mode(value: str) -> str:
+    """The stage-1 choice named by ``HYBRIDKV_TQ_DECODE``'s ``value``."""
+    mode = value.strip().lower() or "gluon"
+    if mode not in DECODE_MODES:
+        raise ValueError(
+            f"HYBRIDKV_TQ_DECODE={value!r} is not a TurboQuant decode kernel; "
+            f"expected one of {', '.join(DECODE_MODES)} (or unset for gluon)"
+        )
+    return mode
+
+
+_MODE = decode_mode(os.environ.get("HYBRIDKV_TQ_DECODE", ""))
 ENABLED = _MODE != "legacy"
 # Programs per SM the split count aims for with the Gluon stage 1, whose
 # programs have head_dim / 128 warps (the Triton stage 1's have 2-4).
