@@ -42,12 +42,13 @@ from pathlib import Path
 import torch
 
 # The float64 decoding of packed slots and the kernel's call are the kernel
-# test's (one of each for both); the benchmark runs from the repo root, where
-# `tests` is importable.
-from tests.kernels.attention.test_turboquant_decode_splitkv import (
+# test's (one of each for both), imported from this checkout: run as a file,
+# only the script's own folder is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.kernels.attention.test_turboquant_decode_splitkv import (  # noqa: E402
     _call as splitkv_decode,
 )
-from tests.kernels.attention.test_turboquant_decode_splitkv import (
+from tests.kernels.attention.test_turboquant_decode_splitkv import (  # noqa: E402
     _dequant as dequant_float64,
 )
 
