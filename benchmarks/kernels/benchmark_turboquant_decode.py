@@ -21,13 +21,15 @@ scratch and outputs poisoned with NaN before the checked call). Then
 the store kernel (a decode step and a prefill chunk) against bf16's
 ``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
 new kernel's launch geometry (tile, warps, key dimensions per dot, split
-count) on two cases. Caches hold real packed slots
+count) on two cases and, with ``--splits`` (default in --quick), the default
+stage 1 at other split counts on three. Caches hold real packed slots
 (the store kernel on random K/V, tiled over the cache); pages are shuffled.
 
 Writes benchmarks/results/kernels-<time>.json and .md (or --out DIR).
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -72,6 +74,16 @@ CASES = [
 ]
 QUICK_CASES = [CASES[0], CASES[1], CASES[3], ("Gemma4-31B-full", 32, 4, 512, 4, 8192)]
 SWEEP_CASES = [CASES[1], CASES[3]]
+# Split counts of the default stage 1 (0: its own count), in particular the
+# Gluon one below its occupancy floor (1 x 32K takes the Triton stage 1 at
+# the default count, 256 one-warp programs on 132 SMs): a larger split count
+# needs a larger scratch than the backend's 32 splits, sized here.
+# With a register cap (0: none) for the Gluon stage 1: it runs 8 warps per SM
+# at 215-255 registers (release 9's ncu run); a cap of 168 fits 12 at the
+# cost of ~22 bytes of spills (k8v4, head_dim 128).
+SPLIT_CASES = [CASES[0], CASES[1], CASES[3]]
+SPLIT_POINTS = [(0, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
+SPLIT_POINTS += [(0, 168), (16, 168), (128, 168)]
 SWEEP_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc"]
 # (BLOCK_N, warps, key dimensions per dot, register cap (0: none), splits
 # (0: the kernel's own count from shapes + SMs)). The kernel's defaults
@@ -505,12 +517,46 @@ def bench_decode(cases, presets, timer, bw, rows, log):
         del store
 
 
-def bench_sweep(cases, presets, timer, bw, rows, log):
-    try:
-        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
-    except ImportError:
-        log("  sweep skipped: no split-KV kernel installed (patch 0017 not applied)")
-        return
+@dataclasses.dataclass
+class FilledCache:
+    """One case and preset: a random query and a packed cache of real slots."""
+
+    label: str
+    hq: int
+    hk: int
+    D: int
+    B: int
+    ctx: int
+    preset: str
+    bw: float
+    bt: torch.Tensor
+    seq_lens: torch.Tensor
+    q: torch.Tensor
+    cfg: object
+    cache: torch.Tensor
+    centroids: torch.Tensor
+    pit: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.B * self.ctx * self.hk * self.cfg.slot_size_aligned
+
+    def row(self, kind: str, **fields) -> dict:
+        return dict(
+            kind=kind,
+            case=self.label,
+            heads=f"{self.hq}/{self.hk}x{self.D}",
+            batch=self.B,
+            context=self.ctx,
+            kv=self.preset.removeprefix("turboquant_"),
+            bytes=self.nbytes,
+            floor_us=self.nbytes / self.bw * 1e6,
+            **fields,
+        )
+
+
+def filled_caches(cases, presets, bw):
+    """A FilledCache per case and preset, one after another."""
     for label, hq, hk, D, B, ctx in cases:
         num_blocks, bt, seq_lens = paged_layout(B, ctx)
         q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
@@ -526,39 +572,99 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
             )
             centroids, midpoints, pit = tq_tables(cfg, D)
             fill_tq_cache(cache, cfg, hk, D, pit, midpoints)
-            nbytes = B * ctx * hk * cfg.slot_size_aligned
-            for geom in SWEEP_POINTS.get(D, []):
-                run = sweep_runner(
-                    q, cache, bt, seq_lens, cfg, centroids, pit, D**-0.5, geom
-                )
-                try:
-                    us = timer(run)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                    log(
-                        f"  sweep {label} {preset} {geom}: "
-                        f"{type(e).__name__}: {str(e)[:100]}"
-                    )
-                    continue
-                rows.append(
-                    dict(
-                        kind="sweep",
-                        case=label,
-                        heads=f"{hq}/{hk}x{D}",
-                        batch=B,
-                        context=ctx,
-                        kv=preset.removeprefix("turboquant_"),
-                        geometry=list(geom),
-                        bytes=nbytes,
-                        new_us=us,
-                        floor_us=nbytes / bw * 1e6,
-                    )
-                )
+            yield FilledCache(
+                label, hq, hk, D, B, ctx, preset, bw, bt, seq_lens, q, cfg, cache,
+                centroids, pit,
+            )  # fmt: skip
+
+
+def bench_sweep(cases, presets, timer, bw, rows, log):
+    try:
+        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
+    except ImportError:
+        log("  sweep skipped: no split-KV kernel installed (patch 0017 not applied)")
+        return
+    for c in filled_caches(cases, presets, bw):
+        for geom in SWEEP_POINTS.get(c.D, []):
+            run = sweep_runner(
+                c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,
+                c.D**-0.5, geom,
+            )  # fmt: skip
+            try:
+                us = timer(run)
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                 log(
-                    f"  sweep {label} {B}x{ctx} {preset:20s} "
-                    f"BLOCK_N,warps,key_chunk,maxnreg,splits={geom}: "
-                    f"{us:8.1f} us  {nbytes / (us * 1e-6) / bw:5.1%}"
+                    f"  sweep {c.label} {c.preset} {geom}: "
+                    f"{type(e).__name__}: {str(e)[:100]}"
                 )
-            del cache
+                continue
+            rows.append(c.row("sweep", geometry=list(geom), new_us=us))
+            log(
+                f"  sweep {c.label} {c.B}x{c.ctx} {c.preset:20s} "
+                f"BLOCK_N,warps,key_chunk,maxnreg,splits={geom}: "
+                f"{us:8.1f} us  {c.nbytes / (us * 1e-6) / bw:5.1%}"
+            )
+
+
+def gluon_register_cap(maxnreg: int):
+    """Launch the Gluon stage 1 with a register cap (0: none) from now on,
+    through the hook its tests use to run it elsewhere."""
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    def launch(kernel, grid, args, constexprs):
+        opts = {"maxnreg": maxnreg} if maxnreg else {}
+        kernel[grid](*args, **constexprs, num_warps=constexprs["W"], **opts)
+
+    splitkv._gluon_runner = launch if maxnreg else None
+
+
+def bench_splits(cases, presets, timer, bw, rows, log):
+    """The default stage 1 (``stage1_of`` says which ran) at SPLIT_POINTS,
+    each checked against float64 on the first row; register caps apply to
+    the Gluon stage 1 only."""
+    for c in filled_caches(cases, presets, bw):
+        for splits, maxnreg in SPLIT_POINTS:
+            gluon_register_cap(maxnreg)
+            mid = torch.full(
+                (c.B, c.hq, max(splits, 32), c.D + 1), float("nan"), device="cuda"
+            )
+            run = splitkv_call(
+                c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,
+                c.D**-0.5, mid_o_buf=mid, max_num_kv_splits=mid.shape[2],
+                num_splits=splits or None,
+            )  # fmt: skip
+            try:
+                stage1 = stage1_of(run)
+                if maxnreg and stage1 != "gluon":
+                    continue
+                err = reference_error(
+                    run().float(), c.q, c.cache, c.bt, c.seq_lens, c.cfg,
+                    c.centroids, c.pit, [0],
+                )  # fmt: skip
+                us = timer(run)
+            except Exception as e:  # noqa: BLE001 - keep the other points
+                log(
+                    f"  splits {c.label} {c.preset} {splits}: "
+                    f"{type(e).__name__}: {str(e)[:100]}"
+                )
+                continue
+            rows.append(
+                c.row(
+                    "splits",
+                    splits=splits or "default",
+                    maxnreg=maxnreg or None,
+                    stage1=stage1,
+                    new_us=us,
+                    new_err=err,
+                )
+            )
+            log(
+                f"  splits {c.label} {c.B}x{c.ctx} {c.preset:20s} "
+                f"{splits or 'default'!s:>7s} {stage1:6s} "
+                f"maxnreg {maxnreg or '-'!s:>3s}: {us:8.1f} us  "
+                f"{c.nbytes / (us * 1e-6) / bw:5.1%}  f64 err {fmt_err(err)}"
+            )
+    gluon_register_cap(0)
 
 
 def bench_store(shapes, presets, timer, bw, rows, log):
@@ -750,6 +856,24 @@ def markdown(meta, rows, bw):
                 f"{tuple(r['geometry'])} | {fmt_us(r['new_us'])} | "
                 f"{fmt_pct(pct(r['bytes'], r['new_us'], bw))} |"
             )
+    splits = [r for r in rows if r["kind"] == "splits"]
+    if splits:
+        out += [
+            "",
+            "## Default stage 1 at other split counts",
+            "",
+            "| case | KV | splits | stage 1 | register cap | µs | % BW "
+            "| f64 err (row 0) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in splits:
+            out.append(
+                f"| {r['case']} {r['batch']} x {r['context']} | {r['kv']} | "
+                f"{r['splits']} | {r['stage1']} | {r.get('maxnreg') or '-'} | "
+                f"{fmt_us(r['new_us'])} | "
+                f"{fmt_pct(pct(r['bytes'], r['new_us'], bw))} | "
+                f"{fmt_err(r.get('new_err'))} |"
+            )
     store = [r for r in rows if r["kind"] == "store"]
     if store:
         out += [
@@ -788,6 +912,9 @@ def run_all(args, timer, bw, rows, log):
     if (args.quick or args.sweep) and not args.no_sweep:
         log("sweep: new kernel launch geometry")
         bench_sweep(SWEEP_CASES, SWEEP_PRESETS, timer, bw, rows, log)
+    if (args.quick or args.splits) and not args.no_sweep:
+        log("splits: the default stage 1 at other split counts")
+        bench_splits(SPLIT_CASES, SWEEP_PRESETS, timer, bw, rows, log)
     if not args.no_store:
         log("store")
         shapes = sorted(
@@ -813,8 +940,15 @@ def main():
         action="store_true",
         help="launch-geometry sweep (always on with --quick)",
     )
+    ap.add_argument(
+        "--splits",
+        action="store_true",
+        help="the default stage 1 at other split counts (always on with --quick)",
+    )
     ap.add_argument("--no-store", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the sweep in --quick")
+    ap.add_argument(
+        "--no-sweep", action="store_true", help="skip the sweeps (both) in --quick"
+    )
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()

@@ -1,13 +1,91 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The kernel microbenchmark (benchmarks/kernels/
-benchmark_turboquant_decode.py) without a GPU."""
+benchmark_turboquant_decode.py) without a GPU: its command, and its report
+from rows of every kind."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.kernels import benchmark_turboquant_decode as bench
+    finally:
+        sys.path.remove(str(REPO))
+    return bench
+
+
+META = dict(
+    time="2026-11-23 14:31 UTC",
+    device="NVIDIA H100 80GB HBM3",
+    torch="2.11.0+cu130",
+    triton="3.6.0",
+    vllm="0.20.2+hybridkv.9",
+)
+BW = 3.0e12
+CASE = dict(case="Qwen3-4B", heads="32/8x128", batch=16, context=8192)
+
+
+def test_report_names_the_stage1_its_host_time_and_the_split_points():
+    rows = [
+        dict(CASE, kind="decode", kv="bf16 (FA)", bytes=8.4e8, fa_us=200.0),
+        dict(
+            CASE,
+            kind="decode",
+            kv="k8v4",
+            bytes=2.055e8,
+            floor_us=68.5,
+            old_us=707.2,
+            new_us=206.6,
+            new_host_us=315.0,
+            stage1="gluon",
+            fa_us=199.6,
+            rel_diff_new_old=3.1e-3,
+            old_err=1.8e-3,
+            new_err=1.8e-3,
+        ),
+        # A kernel that failed: no times, no stage 1.
+        dict(CASE, kind="decode", kv="4bit_nc", bytes=1.4e8, floor_us=46.8),
+        dict(
+            CASE,
+            kind="splits",
+            kv="k8v4",
+            splits=128,
+            maxnreg=168,
+            stage1="gluon",
+            bytes=2.055e8,
+            new_us=150.0,
+            new_err=2.0e-3,
+        ),
+        dict(
+            CASE,
+            kind="splits",
+            kv="k8v4",
+            splits="default",
+            stage1="gluon",
+            bytes=2.055e8,
+            new_us=float("nan"),
+            new_err=float("nan"),
+        ),
+    ]
+    md = _bench().markdown(META, rows, BW)
+    lines = md.splitlines()
+    decode = next(line for line in lines if "| k8v4 |" in line and "68.5" in line)
+    assert "| 206.6 (33%) | gluon | 315.0 | 0.97x |" in decode
+    failed = next(line for line in lines if "| 4bit_nc |" in line)
+    assert "| n/a (n/a) | n/a | n/a |" in failed
+    assert "## Default stage 1 at other split counts" in md
+    assert (
+        "| Qwen3-4B 16 x 8192 | k8v4 | 128 | gluon | 168 | 150.0 | 46% | 2.0e-03 |"
+        in md
+    )
+    # A NaN error (poisoned output left in place) is flagged, not hidden.
+    assert "| default | gluon | - |" in md and "nan FAIL |" in md
 
 
 def test_the_documented_command_runs_from_the_repo_root_and_needs_a_gpu():
