@@ -17,7 +17,6 @@ replay) take it wherever it serves.
 
 import importlib
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -162,15 +161,41 @@ def test_key_table_builds_nothing_while_a_graph_is_captured(monkeypatch):
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
     c = _tables(cfg, 128, "cpu")[0]
-    fake = SimpleNamespace(
-        data_ptr=c.data_ptr, device=c.device, is_cuda=True, float=c.float
-    )
+
+    class OnCuda:  # the centroids, seen as a CUDA tensor
+        data_ptr, device, is_cuda, float = c.data_ptr, c.device, True, c.float
+
+    fake = OnCuda()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert gluon_decode.key_table(fake) is None
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     built = gluon_decode.key_table(fake)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert gluon_decode.key_table(fake) is built
+
+
+def test_key_table_is_rebuilt_for_other_centroids_at_the_same_address(monkeypatch):
+    """A table belongs to one centroid tensor: others that take its address
+    after it is freed (another engine in this process) get a new table, not
+    the stale one."""
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    memory = _tables(cfg, 128, "cpu")[0].clone()
+    first = memory[:]  # one tensor on this memory...
+    old = gluon_decode.key_table(first).clone()
+    del first
+    memory.mul_(0.5)  # ...freed, and other centroids written there
+    second = memory[:]
+    assert second.data_ptr() == memory.data_ptr()
+    table = gluon_decode.key_table(second)
+    assert not torch.equal(table, old)
+    heads = table[:, 0:1].view(torch.float16)[:, 0]  # low nibble
+    assert torch.equal(heads[:16], memory.half())
+    assert gluon_decode.key_table(second) is table  # then built once
+    # Inference tensors (vLLM runs the model under inference mode) work too.
+    with torch.inference_mode():
+        frozen = memory.clone()
+    assert torch.equal(gluon_decode.key_table(frozen), table)
 
 
 @pytest.mark.parametrize(

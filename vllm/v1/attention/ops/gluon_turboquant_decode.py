@@ -37,6 +37,7 @@ stage 1's time at 16 x 8K (benchmarks/NOTES.md, "Release 9").
 """
 
 import functools
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -160,8 +161,12 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
     )
 
 
-# Key tables per centroid tensor (data_ptr, device).
-_tables: dict[tuple[int, str], torch.Tensor] = {}
+# Key tables per centroid tensor (data_ptr, device): the tensor (weakly) and
+# the table. A lookup also checks the tensor is the one the table was built
+# from: a freed tensor's address can hold other centroids later (another
+# engine in the same process). Not its version counter: the backend's
+# centroids are constants, and inference tensors have none.
+_tables: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
@@ -173,7 +178,8 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
     built before gives None (the caller then runs the Triton stage 1).
     """
     key = (centroids.data_ptr(), str(centroids.device))
-    if key not in _tables:
+    hit = _tables.get(key)
+    if hit is None or hit[0]() is not centroids:
         if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         c = centroids.float()
@@ -183,7 +189,7 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
         low, high = b & 15, b >> 4
         hb = hi.view(torch.int16).int() & 0xFFFF
         lb = lo.view(torch.int16).int() & 0xFFFF
-        _tables[key] = torch.stack(
+        table = torch.stack(
             [
                 hb[low] | (hb[high] << 16),
                 lb[low] | (lb[high] << 16),
@@ -192,7 +198,8 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             ],
             -1,
         ).to(torch.int32)
-    return _tables[key]
+        hit = _tables[key] = (weakref.ref(centroids), table)
+    return hit[1]
 
 
 @gluon.jit
