@@ -794,6 +794,11 @@ def fmt_err(x):
     return f"{x:.1e}" + ("" if x <= ERR_LIMIT else " FAIL")  # nan fails too
 
 
+def table_head(*columns: str) -> list[str]:
+    """A Markdown table's header and separator lines."""
+    return [f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+
+
 def markdown(meta, rows, bw):
     out = [
         f"# TurboQuant kernel microbenchmark ({meta['time']})",
@@ -809,13 +814,24 @@ def markdown(meta, rows, bw):
         "",
         "## Decode",
         "",
-        (
-            "| case | batch x context | KV | MB read | floor µs | FA bf16 µs "
-            "| old µs (% BW) "
-            "| new µs (% BW) | new stage 1 | new host µs | FA/new | FA/old "
-            "| new vs old | rel. diff new-old | f64 err old | f64 err new |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table_head(
+            "case",
+            "batch x context",
+            "KV",
+            "MB read",
+            "floor µs",
+            "FA bf16 µs",
+            "old µs (% BW)",
+            "new µs (% BW)",
+            "new stage 1",
+            "new host µs",
+            "FA/new",
+            "FA/old",
+            "new vs old",
+            "rel. diff new-old",
+            "f64 err old",
+            "f64 err new",
+        ),  # fmt: skip
     ]
     for r in rows:
         if r["kind"] != "decode" or r["kv"].startswith("bf16"):
@@ -847,8 +863,7 @@ def markdown(meta, rows, bw):
             "",
             "## New kernel launch points (BLOCK_N, warps, key dims, maxnreg, splits)",
             "",
-            "| case | KV | geometry | µs | % BW |",
-            "|---|---|---|---|---|",
+            *table_head("case", "KV", "geometry", "µs", "% BW"),
         ]
         for r in sweep:
             out.append(
@@ -862,9 +877,16 @@ def markdown(meta, rows, bw):
             "",
             "## Default stage 1 at other split counts",
             "",
-            "| case | KV | splits | stage 1 | register cap | µs | % BW "
-            "| f64 err (row 0) |",
-            "|---|---|---|---|---|---|---|---|",
+            *table_head(
+                "case",
+                "KV",
+                "splits",
+                "stage 1",
+                "register cap",
+                "µs",
+                "% BW",
+                "f64 err (row 0)",
+            ),  # fmt: skip
         ]
         for r in splits:
             out.append(
@@ -880,8 +902,14 @@ def markdown(meta, rows, bw):
             "",
             "## Store (K/V of N tokens into the cache)",
             "",
-            "| shape | tokens | KV | µs | bf16 µs | % BW (read K/V + write slots) |",
-            "|---|---|---|---|---|---|",
+            *table_head(
+                "shape",
+                "tokens",
+                "KV",
+                "µs",
+                "bf16 µs",
+                "% BW (read K/V + write slots)",
+            ),  # fmt: skip
         ]
         for r in store:
             if r["kv"] == "bf16":
