@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -88,20 +90,42 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
     assert "| default | gluon | - |" in md and "nan FAIL |" in md
 
 
-def test_the_documented_command_runs_from_the_repo_root_and_needs_a_gpu():
-    # benchmarks/README.md's command, as a file from the repo root: it imports
-    # the kernel tests' reference from this checkout, then asks for a GPU.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/kernels/benchmark_turboquant_decode.py",
-            "--quick",
-        ],
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "benchmarks/kernels/benchmark_turboquant_decode.py", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
         timeout=300,
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--quick"],
+        ["--sweep"],
+        [
+            "--splits",
+            "--no-store",
+            "--presets",
+            "turboquant_k8v4",
+            "turboquant_4bit_nc",
+        ],
+    ],
+)
+def test_the_documented_commands_run_from_the_repo_root_and_need_a_gpu(args):
+    # benchmarks/README.md's commands, as files from the repo root: each
+    # imports the kernel tests' reference from this checkout, then asks for a
+    # GPU.
+    out = _run(*args)
     assert out.returncode == 1
     assert "needs a CUDA GPU" in out.stderr
+
+
+def test_an_unknown_preset_is_named_before_anything_runs():
+    out = _run("--presets", "turboquant_5bit")
+    assert out.returncode == 2
+    assert "invalid choice: 'turboquant_5bit'" in out.stderr
+    assert "turboquant_k8v4" in out.stderr  # the valid ones
