@@ -25,7 +25,8 @@ kernel class (attention, KV store, GEMM, other) and the wall time per step,
 so the gap to ``auto`` splits into kernels and host time (issue 10, item 3);
 a profiled pass generates at most ``PROFILE_STEPS`` tokens per sequence.
 Results: benchmarks/results/e2e-<time>.json and .md (or ``--out``), with
-device and versions. Dummy weights make outputs meaningless
+device and versions; ``--keep-logs`` also writes each configuration's engine
+log there (per-repeat tok/s, warnings). Dummy weights make outputs meaningless
 (and repetitive), which is fine for speed, not for quality.
 """
 
@@ -318,6 +319,11 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
         log = out.decode() if isinstance(out, bytes) else out
         rc = "timeout"
     row = dict(model=model, kv=kv, rc=rc, wall_s=round(time.time() - t0, 1))
+    if args.keep_logs:
+        # Engine logs say what a figure cannot (JIT compiles, warnings).
+        name = f"e2e-{model}-{kv}{'-profile' if profile else ''}.log"
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, name).write_text(log)
     m = _KV_TOKENS.findall(log)
     row["kv_tokens"] = int(m[-1].replace(",", "")) if m else None
     res = [line for line in log.splitlines() if line.startswith(_RESULT)]
@@ -490,6 +496,11 @@ def main():
     )
     ap.add_argument(
         "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
+    )
+    ap.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="write each configuration's engine log to --out",
     )
     args = ap.parse_args()
 

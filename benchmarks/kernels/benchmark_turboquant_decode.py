@@ -74,16 +74,17 @@ CASES = [
 ]
 QUICK_CASES = [CASES[0], CASES[1], CASES[3], ("Gemma4-31B-full", 32, 4, 512, 4, 8192)]
 SWEEP_CASES = [CASES[1], CASES[3]]
-# Split counts of the default stage 1 (0: its own count), in particular the
-# Gluon one below its occupancy floor (1 x 32K takes the Triton stage 1 at
-# the default count, 256 one-warp programs on 132 SMs): a larger split count
-# needs a larger scratch than the backend's 32 splits, sized here.
-# With a register cap (0: none) for the Gluon stage 1: it runs 8 warps per SM
-# at 215-255 registers (release 9's ncu run); a cap of 168 fits 12 at the
-# cost of ~22 bytes of spills (k8v4, head_dim 128).
-SPLIT_CASES = [CASES[0], CASES[1], CASES[3]]
-SPLIT_POINTS = [(0, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
-SPLIT_POINTS += [(0, 168), (16, 168), (128, 168)]
+# Split counts of the default stage 1 (0: its own count, from the wave
+# model of gluon_num_splits), over the backend's scratch, whose spare rows
+# hold counts past 32 at small batches. With a register cap (0: none) for
+# the Gluon stage 1: uncapped it runs 8 warps per SM at 215-255 registers;
+# a cap of 168 fits 12 but spilled, 8-50 % slower everywhere (release 10).
+SPLIT_CASES = [CASES[0], CASES[1], CASES[3], CASES[6]]
+SPLIT_POINTS = [(0, 0), (4, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
+SPLIT_POINTS += [(0, 168)]
+# Rows of the backend's decode scratch (max_num_seqs; vLLM's default on
+# GPUs under 70 GB, 1,024 above): 32 splits per row, shared by all layers.
+SCRATCH_ROWS = 256
 SWEEP_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc"]
 # (BLOCK_N, warps, key dimensions per dot, register cap (0: none), splits
 # (0: the kernel's own count from shapes + SMs)). The kernel's defaults
@@ -298,7 +299,8 @@ def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
 
 def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new):
     """0.20.2's entry point (old) or the split-KV kernel (new), as the backend
-    calls them: the shared scratch of patch 0008 ([B, Hq, 32, D + 1] fp32)."""
+    calls them: the shared scratch of patch 0008 ([SCRATCH_ROWS, Hq, 32,
+    D + 1] fp32)."""
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
@@ -310,7 +312,7 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     B, Hq, D = q.shape
     S = 32  # the backend's tq_max_kv_splits_for_cuda_graph default
     # Poisoned: the first (checked) call must write every output it returns.
-    mid = torch.full((B, Hq, S, D + 1), float("nan"), device="cuda")
+    mid = torch.full((max(B, SCRATCH_ROWS), Hq, S, D + 1), float("nan"), device="cuda")
     out_buf = torch.full((B, Hq, D), float("nan"), device="cuda")
     lse = torch.full((B, Hq), float("nan"), device="cuda")
 
@@ -626,7 +628,7 @@ def bench_splits(cases, presets, timer, bw, rows, log):
         for splits, maxnreg in SPLIT_POINTS:
             gluon_register_cap(maxnreg)
             mid = torch.full(
-                (c.B, c.hq, max(splits, 32), c.D + 1), float("nan"), device="cuda"
+                (max(c.B, SCRATCH_ROWS), c.hq, 32, c.D + 1), float("nan"), device="cuda"
             )
             run = splitkv_call(
                 c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The e2e harness's per-step profile: kernel classes and per-step sums."""
+"""The e2e harness's per-step profile (kernel classes and per-step sums) and the
+engine logs it keeps."""
 
 import importlib.util
+import subprocess
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,25 @@ def test_profile_table_shows_the_change_against_auto(e2e):
         "| Qwen3-4B | auto | short-decode | 100 | 0 | 0 | 0 | 100 | 900 | 1,000 |" in md
     )
     assert "| Qwen3-4B | turboquant_4bit_nc | short-decode | 250 (+150) |" in md
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_logs_are_kept_on_request(e2e, monkeypatch, tmp_path, keep):
+    # The child engine process, faked: its log and one result line.
+    def child(cmd, **kwargs):
+        log = "INFO GPU KV cache size: 1,000 tokens\n" + e2e._RESULT + "{}\n"
+        return subprocess.CompletedProcess(cmd, 0, stdout=log, stderr="")
+
+    monkeypatch.setattr(e2e.subprocess, "run", child)
+    args = Namespace(
+        repeats=1, gpu_memory_utilization=0.9, timeout=10, out=str(tmp_path),
+        keep_logs=keep,
+    )  # fmt: skip
+    row = e2e.run_config("Qwen3-4B", "turboquant_k8v4", ["short-decode"], args)
+    assert row["kv_tokens"] == 1000
+    logs = list(tmp_path.glob("*.log"))
+    if keep:
+        assert [p.name for p in logs] == ["e2e-Qwen3-4B-turboquant_k8v4.log"]
+        assert "GPU KV cache size" in logs[0].read_text()
+    else:
+        assert logs == []

@@ -106,6 +106,15 @@ def test_gluon_stage1_serves_padded_pages_and_verify_rows(
     assert len(gluon_on_numpy) == 2
 
 
+def test_a_small_batch_splits_into_the_spare_scratch_rows(
+    triton_interpret, gluon_on_numpy
+):
+    # One row on the interpreter's 4 SMs: the default count (16) is past the
+    # scratch's 8 splits per row, and the row past the batch holds the rest.
+    _run(triton_interpret, "turboquant_k8v4", 128, 4, [70], num_kv_heads=1)
+    assert [g[0] for g in gluon_on_numpy] == [16]
+
+
 @pytest.mark.parametrize("fault", ["value nibble order", "key byte order"])
 def test_a_fault_in_the_unpacking_turns_the_check_red(
     triton_interpret, monkeypatch, fault
@@ -295,9 +304,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
                 pit,
                 mid_o_buf=_poisoned((B, Hq, 32, D + 1), device),
                 output_buf=_poisoned((B, Hq, D), device),
-                # Fixed: four rows are below the Gluon stage 1's occupancy
-                # floor at the default split count.
-                num_splits=8,
+                num_splits=8,  # one count for both stage 1s
             )
             .double()
             .cpu()
@@ -312,3 +319,42 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
         assert not out.isnan().any()
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < TOL, f"max error {err:.3g} relative to max |out|"
+
+
+@pytest.mark.gpu
+def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
+    """One 20K-token row on the Qwen3-4B shape, with the backend's scratch
+    (32 splits per row for 64 rows): the default split count is past 32 and
+    the output holds fp32 rounding against float64."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the Gluon stage 1 needs sm_89+")
+    Hq, Hk, D, device = 32, 8, 128, "cuda"
+    torch.manual_seed(12)
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", D)
+    centroids, midpoints, pit = _tables(cfg, D, device)
+    cache, table = _filled_cache(cfg, [20000], Hk, D, device, pit, midpoints)
+    query = torch.randn(1, Hq, D, device=device)
+    monkeypatch.setattr(
+        splitkv, "_gluon_for", lambda d: splitkv._gluon_module(d, enabled=True)
+    )
+    splits = []
+    real = gluon_decode.stage1
+    monkeypatch.setattr(
+        gluon_decode, "stage1", lambda *a, **k: splits.append(a[8]) or real(*a, **k)
+    )
+    out = _call(
+        query,
+        cache,
+        table,
+        torch.tensor([20000], dtype=torch.int32, device=device),
+        cfg,
+        centroids,
+        pit,
+        mid_o_buf=_poisoned((64, Hq, 32, D + 1), device),
+    )
+    assert splits and splits[0] > 32, splits
+    ref = _reference(query, cache, table, [20000], cfg, centroids, pit, D**-0.5)
+    got = out.double().cpu()
+    assert not got.isnan().any()
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL, f"max error {err:.3g} relative to max |out|"

@@ -410,6 +410,36 @@ def test_split_count_ignores_sequence_lengths():
     assert splitkv.num_kv_splits(1, 8, 4, 132) == 4
 
 
+def test_gluon_split_count_fills_whole_waves():
+    # 132 SMs x 8 resident warps: 1,056 one-warp programs per wave (head_dim
+    # 128), 528 two-warp ones (256), 264 four-warp ones (512).
+    n = splitkv.gluon_num_splits
+    assert n(16, 8, 1, 132, 128) == 8  # 1,024 programs, one wave; 17 took 3
+    assert n(1, 8, 1, 132, 128) == 128  # the cap
+    assert n(1, 8, 1, 132, 32) == 32
+    assert n(64, 8, 1, 132, 128) == 2
+    assert n(16, 4, 2, 132, 64) == 8
+    assert n(4, 4, 4, 132, 32) == 16
+    assert n(16, 4, 4, 132, 32) == 4
+    # 600 programs: four waves of a seventh of the context beat one of all.
+    assert n(75, 8, 1, 132, 128) == 7
+    assert n(256, 8, 1, 132, 128) == 1
+
+
+def test_scratch_holds_more_splits_in_its_spare_rows():
+    buf = torch.empty(8, 4, 32, 129)  # the backend's shape: 8 rows x 32 splits
+    assert splitkv.scratch_splits(buf, 8, 4, 128) == 32
+    assert splitkv.scratch_splits(buf, 1, 4, 128) == 256
+    view = splitkv.scratch_view(buf, 1, 4, 128, 128)
+    assert view.shape == (1, 4, 128, 129)
+    assert view.data_ptr() == buf.data_ptr()
+    assert splitkv.scratch_view(buf, 2, 4, 16, 128) is buf
+    # Not contiguous: only its own split dimension counts.
+    assert splitkv.scratch_splits(buf[:, :, :16], 1, 4, 128) == 16
+    assert splitkv.scratch_splits(buf.half(), 1, 4, 128) == 0
+    assert splitkv.scratch_splits(None, 1, 4, 128) == 0
+
+
 def test_decode_mode_names_a_kernel_or_says_which_exist():
     assert splitkv.decode_mode("") == "gluon"  # the default
     assert splitkv.decode_mode(" Triton ") == "triton"

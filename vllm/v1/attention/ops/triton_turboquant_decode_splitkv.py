@@ -42,7 +42,9 @@ stage 1 (``gluon_turboquant_decode``): the same inputs and partial results,
 without the shared-memory round trips Triton puts around every dot.
 """
 
+import functools
 import os
+from fractions import Fraction
 
 import torch
 
@@ -67,11 +69,23 @@ def decode_mode(value: str) -> str:
 
 _MODE = decode_mode(os.environ.get("HYBRIDKV_TQ_DECODE", ""))
 ENABLED = _MODE != "legacy"
-# Programs per SM the split count aims for with the Gluon stage 1, whose
-# programs have head_dim / 128 warps (the Triton stage 1's have 2-4).
-GLUON_PROGRAMS_PER_SM = 16
-# Below this many warps per SM at the largest split count, the Triton stage 1.
-GLUON_MIN_WARPS_PER_SM = 8
+# Resident warps per SM of the Gluon stage 1 (programs of head_dim / 128
+# warps). It takes 215-255 registers per thread (ncu, release 9), allocated
+# per warp in units of 256, so an SM's 65,536 registers hold 8 of its warps.
+GLUON_WARPS_PER_SM = 8
+# Largest split count x head_dim of a Gluon decode: the merge holds one
+# head's partials in registers. On an H100, 1 x 32K Qwen3-4B took 51 us at
+# 128 splits and 128 us at 256.
+GLUON_MAX_SPLIT_DIMS = 128 * 128
+# A Gluon program's cost apart from its tokens, as a share of one pass over
+# the whole context. 16 x 8K on Qwen3-4B took 10 us longer at 32 splits (4
+# waves) than at 16 (2 waves) on an H100, ~1/256 of a 1.2 ms pass per wave.
+GLUON_PROGRAM_COST = Fraction(1, 256)
+# Below this many warps per SM at the largest split count, the Triton stage 1
+# (its 4-warp programs fill the SMs with fewer splits). 1 x 32K Qwen3-4B on an
+# H100: 32 splits (1.9 warps/SM) 86 / 144 us (k8v4 / 4bit_nc) vs Triton's
+# 122 / 144; 16 splits (1 warp/SM) 148 / 243 us.
+GLUON_MIN_WARPS_PER_SM = 1.5
 
 # Launch geometry per head_dim: (tokens per tile, warps, key dimensions per
 # dot, register cap or 0). From sm_90 compiles (Triton + ptxas -v, no GPU;
@@ -196,6 +210,60 @@ def num_kv_splits(
     """
     want = -(-(programs_per_sm * sms) // max(batch * num_kv_heads, 1))
     return max(1, min(max_splits, want))
+
+
+@functools.cache
+def gluon_num_splits(
+    batch: int, num_kv_heads: int, warps_per_program: int, sms: int, max_splits: int
+) -> int:
+    """Context splits per (row, KV head) for the Gluon stage 1.
+
+    Its programs run in waves of ``GLUON_WARPS_PER_SM`` warps per SM, and a
+    partly filled wave takes as long as a full one: 16 x 8K on Qwen3-4B at 17
+    splits is 2,176 one-warp programs for 1,056 slots, three waves of 482
+    tokens where 16 splits take two of 512 (205 vs 157 us on an H100). The
+    count is the one with the least waves x (tokens per program + a fixed
+    cost per program, ``GLUON_PROGRAM_COST``); among equals the fewest.
+    Depends on shapes and the device only, as ``num_kv_splits``.
+    """
+    slots = max(sms * GLUON_WARPS_PER_SM // warps_per_program, 1)
+    programs = max(batch * num_kv_heads, 1)
+
+    def cost(splits: int) -> Fraction:
+        waves = -(-(programs * splits) // slots)
+        return waves * (Fraction(1, splits) + GLUON_PROGRAM_COST)
+
+    return min(range(1, max(max_splits, 1) + 1), key=lambda s: (cost(s), s))
+
+
+def scratch_splits(mid_o_buf: torch.Tensor | None, batch: int, heads: int, D: int):
+    """Splits per (row, head) the scratch holds for ``batch`` rows: its own
+    split dimension, or all of a contiguous buffer, whose rows past ``batch``
+    are spare at that batch (the backend's is sized for the largest decode
+    batch, and small batches need the most splits)."""
+    if mid_o_buf is None or mid_o_buf.dtype != torch.float32:
+        return 0
+    if mid_o_buf.is_contiguous():
+        return mid_o_buf.numel() // (batch * heads * (D + 1))
+    fits = (
+        mid_o_buf.shape[0] >= batch
+        and mid_o_buf.shape[1] >= heads
+        and mid_o_buf.shape[3] >= D + 1
+        and mid_o_buf.stride(-1) == 1
+    )
+    return mid_o_buf.shape[2] if fits else 0
+
+
+def scratch_view(
+    mid_o_buf: torch.Tensor, batch: int, heads: int, splits: int, D: int
+) -> torch.Tensor:
+    """The scratch as [batch, heads, splits or more, D + 1], given
+    ``scratch_splits(...) >= splits``: the buffer itself where its own
+    dimensions are large enough, else the start of a contiguous one."""
+    own = (batch, heads, splits, D + 1)
+    if mid_o_buf.stride(-1) == 1 and all(n >= m for n, m in zip(mid_o_buf.shape, own)):
+        return mid_o_buf
+    return mid_o_buf.view(-1)[: batch * heads * splits * (D + 1)].view(own)
 
 
 def supports(
@@ -908,14 +976,6 @@ def decode_attention(
     else:
         out = torch.empty(B, Hq, D, dtype=out_dtype, device=device)
 
-    has_mid = (
-        mid_o_buf is not None
-        and mid_o_buf.dtype == torch.float32
-        and mid_o_buf.shape[0] >= B
-        and mid_o_buf.shape[1] >= Hq
-        and mid_o_buf.shape[3] >= D + 1
-        and mid_o_buf.stride(-1) == 1
-    )
     # The Gluon stage 1 where it serves this layout and, for MSE keys, its
     # key table exists (none is built during a CUDA graph capture).
     gluon = _gluon_for(device) if geometry is None else None
@@ -931,24 +991,23 @@ def decode_attention(
         table = gluon.key_table(centroids)
         if table is None:
             gluon = None
-    cap = min(max_num_kv_splits, mid_o_buf.shape[2]) if has_mid else max_num_kv_splits
+    held = scratch_splits(mid_o_buf, B, Hq, D)
     if gluon is not None and num_splits is None:
-        # A Gluon program has head_dim / 128 warps: with few rows and KV heads
-        # even the largest split count leaves the SMs short of warps (1 x 32K
-        # on Qwen3-4B: 8 heads x 32 splits = 256 one-warp programs for 132
-        # SMs), and the Triton stage 1's 4-warp programs read faster there.
-        warps = B * Hk * cap * (D // gluon.SLICE)
-        if warps < GLUON_MIN_WARPS_PER_SM * _num_sms(device):
+        # Split counts beyond the backend's 32 per row come from the spare
+        # rows of its scratch: 1 x 32K on Qwen3-4B fills the SMs at 128.
+        warps = D // gluon.SLICE
+        cap = min(GLUON_MAX_SPLIT_DIMS // D, held or GLUON_MAX_SPLIT_DIMS)
+        if B * Hk * cap * warps < GLUON_MIN_WARPS_PER_SM * _num_sms(device):
             gluon = None
             table = None
+        else:
+            num_splits = gluon_num_splits(B, Hk, warps, _num_sms(device), cap)
     if num_splits is None:
-        per_sm = PROGRAMS_PER_SM
-        if gluon is not None:
-            per_sm = max(GLUON_PROGRAMS_PER_SM // (D // gluon.SLICE), 1)
-        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device), per_sm)
+        cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
+        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device))
     if num_splits > 1:
-        if has_mid and mid_o_buf.shape[2] >= num_splits:
-            mid = mid_o_buf
+        if held >= num_splits:
+            mid = scratch_view(mid_o_buf, B, Hq, num_splits, D)
         else:
             mid = torch.empty(
                 B, Hq, num_splits, D + 1, dtype=torch.float32, device=device
