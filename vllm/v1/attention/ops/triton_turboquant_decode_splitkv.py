@@ -932,7 +932,9 @@ def decode_attention(
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
-    caps the split count at S; without it, scratch is allocated per call.
+    caps the Triton stage 1's split count at S (and ``max_num_kv_splits``);
+    the Gluon stage 1 also splits into the rows past B of a contiguous one
+    (``scratch_splits``). Without it, scratch is allocated per call.
     ``output_buf`` is used when it has the output dtype. ``num_splits``,
     ``geometry`` (see ``default_geometry``) and ``min_split_tokens`` override the
     defaults (tests, benchmarks).
