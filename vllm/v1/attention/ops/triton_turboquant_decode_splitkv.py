@@ -196,19 +196,14 @@ def words_aligned(kv_cache: torch.Tensor, width: int = 2) -> bool:
     )
 
 
-def num_kv_splits(
-    batch: int,
-    num_kv_heads: int,
-    max_splits: int,
-    sms: int,
-    programs_per_sm: int = PROGRAMS_PER_SM,
-) -> int:
-    """Context splits per (row, KV head): enough programs to fill the GPU.
+def num_kv_splits(batch: int, num_kv_heads: int, max_splits: int, sms: int) -> int:
+    """Context splits per (row, KV head) for the Triton stage 1: enough
+    programs to fill the GPU (``PROGRAMS_PER_SM``).
 
     Depends on shapes and the device only, so a CUDA graph captured for a
     batch size replays correctly for any sequence lengths.
     """
-    want = -(-(programs_per_sm * sms) // max(batch * num_kv_heads, 1))
+    want = -(-(PROGRAMS_PER_SM * sms) // max(batch * num_kv_heads, 1))
     return max(1, min(max_splits, want))
 
 
@@ -236,6 +231,14 @@ def gluon_num_splits(
     return min(range(1, max(max_splits, 1) + 1), key=lambda s: (cost(s), s))
 
 
+def _holds(mid_o_buf: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether the scratch's own dimensions cover ``shape`` with unit-stride
+    partials."""
+    return mid_o_buf.stride(-1) == 1 and all(
+        n >= m for n, m in zip(mid_o_buf.shape, shape)
+    )
+
+
 def scratch_splits(mid_o_buf: torch.Tensor | None, batch: int, heads: int, D: int):
     """Splits per (row, head) the scratch holds for ``batch`` rows: its own
     split dimension, or all of a contiguous buffer, whose rows past ``batch``
@@ -245,13 +248,7 @@ def scratch_splits(mid_o_buf: torch.Tensor | None, batch: int, heads: int, D: in
         return 0
     if mid_o_buf.is_contiguous():
         return mid_o_buf.numel() // (batch * heads * (D + 1))
-    fits = (
-        mid_o_buf.shape[0] >= batch
-        and mid_o_buf.shape[1] >= heads
-        and mid_o_buf.shape[3] >= D + 1
-        and mid_o_buf.stride(-1) == 1
-    )
-    return mid_o_buf.shape[2] if fits else 0
+    return mid_o_buf.shape[2] if _holds(mid_o_buf, (batch, heads, 0, D + 1)) else 0
 
 
 def scratch_view(
@@ -261,7 +258,7 @@ def scratch_view(
     ``scratch_splits(...) >= splits``: the buffer itself where its own
     dimensions are large enough, else the start of a contiguous one."""
     own = (batch, heads, splits, D + 1)
-    if mid_o_buf.stride(-1) == 1 and all(n >= m for n, m in zip(mid_o_buf.shape, own)):
+    if _holds(mid_o_buf, own):
         return mid_o_buf
     return mid_o_buf.view(-1)[: batch * heads * splits * (D + 1)].view(own)
 
