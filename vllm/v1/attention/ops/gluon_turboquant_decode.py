@@ -309,16 +309,21 @@ def _tile_words(
     return kw, vw, w0, w1, w2
 
 
-@gluon.jit
+# The split count and the scratch strides that scale with it are launch
+# arguments, not specialized: batch sizes outside the captured CUDA graphs
+# (mixed prefill/decode steps) pick split counts of their own, and a compile
+# per count stalled such a step for about a second.
+@gluon.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _stage1(
     Q_ptr,  # [B, Hq, D]: rotated query (MSE keys) or the query (FP8 keys)
     KV_ptr,  # the cache as int32 words (WORD32) or int16 words
     Block_table_ptr,
     Seq_lens_ptr,
     Table_ptr,  # key_table() (MSE keys)
-    Out_ptr,  # [B, Hq, D] written when NUM_SPLITS == 1
-    Mid_ptr,  # [>=B, >=Hq, >=NUM_SPLITS, D + 1] fp32 when NUM_SPLITS > 1
+    Out_ptr,  # [B, Hq, D] written when not SPLIT
+    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32 when SPLIT
     qk_scale,  # softmax scale * log2(e)
+    num_splits,
     stride_qb,
     stride_qh,
     stride_cb,  # cache strides in load units
@@ -330,7 +335,7 @@ def _stage1(
     stride_mb,
     stride_mh,
     stride_ms,
-    NUM_SPLITS: gl.constexpr,
+    SPLIT: gl.constexpr,  # num_splits > 1: partial results go to Mid
     MIN_TOKENS: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     PAGE: gl.constexpr,
@@ -367,7 +372,7 @@ def _stage1(
     # Tokens per split: at least MIN_TOKENS, whole tiles; splits past the end
     # of a short row stay empty.
     seq_len = gl.load(Seq_lens_ptr + row)
-    per = gl.maximum(gl.cdiv(seq_len, NUM_SPLITS), MIN_TOKENS)
+    per = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_TOKENS)
     per = gl.cdiv(per, 16) * 16
     start = split * per
     end = gl.minimum(start + per, seq_len)
@@ -566,7 +571,7 @@ def _stage1(
     phys = ow[:, None, None] * _SLICE + (16 * (oc % 8) + oc // 8)[None, None, :]
     h8 = kv_head * GROUP + o8
     omask = (o8 < GROUP)[None, :, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = Out_ptr + row * stride_ob + h8[None, :, None] * stride_oh + phys
         gl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -590,12 +595,12 @@ def _constexprs(
     key_packed_size: int,
     norm_correction: bool,
     word32: bool,
-    num_splits: int,
+    split: bool,
     min_split_tokens: int,
 ) -> Mapping[str, object]:
     return MappingProxyType(
         dict(
-            NUM_SPLITS=num_splits,
+            SPLIT=split,
             MIN_TOKENS=min_split_tokens,
             HEAD_DIM=head_dim,
             PAGE=page,
@@ -649,6 +654,7 @@ def stage1(
         out,
         mid,
         qk_scale,
+        num_splits,
         *stage1_strides(q_in, kv_cache, 4 if word32 else 2, block_table, out, mid),
     )
     constexprs = _constexprs(
@@ -660,7 +666,7 @@ def stage1(
         key_packed_size,
         norm_correction,
         word32,
-        num_splits,
+        num_splits > 1,
         min_split_tokens,
     )
     grid = (num_splits, Hk, B)
@@ -681,7 +687,7 @@ def static_compile(
     word32: bool | None = None,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
-    reports): bf16 queries and outputs, pages of 16 tokens, two splits."""
+    reports): bf16 queries and outputs, pages of 16 tokens, split."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -690,7 +696,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, 2, 256,
+        word32, True, 256,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",

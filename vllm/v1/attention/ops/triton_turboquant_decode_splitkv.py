@@ -73,9 +73,9 @@ ENABLED = _MODE != "legacy"
 # warps). It takes 215-255 registers per thread (ncu, release 9), allocated
 # per warp in units of 256, so an SM's 65,536 registers hold 8 of its warps.
 GLUON_WARPS_PER_SM = 8
-# Largest split count x head_dim of a Gluon decode: the merge holds one
-# head's partials in registers. On an H100, 1 x 32K Qwen3-4B took 51 us at
-# 128 splits and 128 us at 256.
+# Largest split count x head_dim of a Gluon decode: past it the merge's reads
+# of the partials cost more than the splits gain. On an H100, 1 x 32K
+# Qwen3-4B took 51 us at 128 splits and 128 us at 256 (release 10).
 GLUON_MAX_SPLIT_DIMS = 128 * 128
 # A Gluon program's cost apart from its tokens, as a share of one pass over
 # the whole context. 16 x 8K on Qwen3-4B took 10 us longer at 32 splits (4
@@ -117,6 +117,9 @@ def default_geometry(head_dim: int, key_fp8: bool) -> tuple[int, int, int, int]:
 PROGRAMS_PER_SM = 8
 # A split covers at least this many tokens (applied on the device).
 MIN_SPLIT_TOKENS = 256
+# Splits the merge reads per step (a [MERGE_BLOCK_SPLITS, head_dim] fp32
+# tile): the backend's 32 per row in one step.
+MERGE_BLOCK_SPLITS = 32
 # Query heads per KV head this kernel serves (the head and tail halves of a
 # 16-row dot operand).
 MAX_GROUP = 8
@@ -578,7 +581,10 @@ def _score8(
     )
 
 
-@triton.jit
+# The split count and the scratch strides that scale with it are launch
+# arguments, not specialized (as the Gluon stage 1's): one compile serves
+# every batch size.
+@triton.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _tq_decode_split_stage1(
     Q_ptr,  # [B, Hq, D] fp32: rotated query (MSE keys) or the query (FP8)
     KV8_ptr,  # [num_blocks, block_size, Hk, slot] uint8
@@ -586,9 +592,10 @@ def _tq_decode_split_stage1(
     Block_table_ptr,  # [B, max_blocks] int32
     Seq_lens_ptr,  # [B] int32
     Centroids_ptr,  # [2**MSE_BITS] fp32
-    Out_ptr,  # [B, Hq, D] query dtype, written when NUM_SPLITS == 1
-    Mid_ptr,  # [>=B, >=Hq, >=NUM_SPLITS, D + 1] fp32, when NUM_SPLITS > 1
+    Out_ptr,  # [B, Hq, D] query dtype, written when not SPLIT
+    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32, when SPLIT
     qk_scale,  # softmax scale * log2(e)
+    num_splits,
     stride_qb,
     stride_qh,
     stride_cb,  # cache strides in load units (words if WORD16, else bytes)
@@ -600,7 +607,7 @@ def _tq_decode_split_stage1(
     stride_mb,
     stride_mh,
     stride_ms,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: partial results go to Mid
     MIN_TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -621,10 +628,10 @@ def _tq_decode_split_stage1(
     kv_head = tl.program_id(1)
     row = tl.program_id(2)
 
-    # Tokens per split: static split count, at least MIN_TOKENS per split,
-    # whole tiles; splits past the end of a short row stay empty.
+    # Tokens per split: a split count fixed per launch, at least MIN_TOKENS
+    # per split, whole tiles; splits past the end of a short row stay empty.
     seq_len = tl.load(Seq_lens_ptr + row)
-    per = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_TOKENS)
+    per = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_TOKENS)
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
     start = split * per
     end = tl.minimum(start + per, seq_len)
@@ -814,7 +821,7 @@ def _tq_decode_split_stage1(
     m8_mask = o8 < GROUP
     safe_l = tl.where(l8 > 0.0, l8, 1.0)
     out = (acc8 + z8[:, None]) / safe_l[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = Out_ptr + row * stride_ob + h8[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=m8_mask[:, None])
     else:
@@ -825,31 +832,44 @@ def _tq_decode_split_stage1(
         tl.store(mid + HEAD_DIM, lse, mask=m8_mask)
 
 
-@triton.jit
+# One compile for every split count: splits are merged BLOCK_S at a time
+# with a running maximum, so the count is a launch argument.
+@triton.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _tq_decode_split_merge(
     Mid_ptr,
     Out_ptr,
+    num_splits,
     stride_mb,
     stride_mh,
     stride_ms,
     stride_ob,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     head = tl.program_id(0)
     row = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    mid = Mid_ptr + row * stride_mb + head * stride_mh + offs_s * stride_ms
-    lse = tl.load(mid + HEAD_DIM, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    live = lse > float("-inf")
-    m = tl.max(lse, axis=0)
-    w = tl.where(live, tl.exp2(lse - tl.where(live, m, 0.0)), 0.0)
-    part = tl.load(mid[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
-    w_sum = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    base = Mid_ptr + row * stride_mb + head * stride_mh
+    m = float("-inf")
+    w_sum = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mid = base + offs_s * stride_ms
+        lse = tl.load(mid + HEAD_DIM, mask=offs_s < num_splits, other=float("-inf"))
+        # An empty split has lse = -inf and weight 0; m stays -inf until a
+        # live split arrives, and 0 stands in for it in the exponents.
+        live = lse > float("-inf")
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m - ref)
+        w = tl.where(live, tl.exp2(lse - ref), 0.0)
+        part = tl.load(mid[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
+        w_sum = w_sum * alpha + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / tl.where(w_sum > 0.0, w_sum, 1.0)
     tl.store(
         Out_ptr + row * stride_ob + head * stride_oh + offs_d,
         out.to(Out_ptr.dtype.element_ty),
@@ -1053,8 +1073,9 @@ def decode_attention(
         out,
         mid,
         scale * _LOG2E,
+        num_splits,
         *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         MIN_TOKENS=min_split_tokens,
         HEAD_DIM=D,
         PAGE=kv_cache.shape[1],
@@ -1110,14 +1131,14 @@ def _merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int, D: int):
         _tq_decode_split_merge[(Hq, B)](
             mid,
             out,
+            num_splits,
             mid.stride(0),
             mid.stride(1),
             mid.stride(2),
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=D,
+            BLOCK_S=MERGE_BLOCK_SPLITS,
             num_warps=4 if D <= 256 else 8,
         )
     return out
