@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The e2e harness's per-step profile (kernel classes and per-step sums) and the
-engine logs it keeps."""
+"""The e2e harness's per-step profile (kernel classes and per-step sums), the
+engine logs it keeps, and how it hands a scenario's requests to the engine."""
 
 import importlib.util
 import subprocess
@@ -105,3 +105,52 @@ def test_engine_logs_are_kept_on_request(e2e, monkeypatch, tmp_path, keep):
         assert "GPU KV cache size" in logs[0].read_text()
     else:
         assert logs == []
+
+
+class _SteppingEngine:
+    """``LLM``'s queueing calls over an engine core that steps as soon as it
+    holds a request, unless its scheduling is paused (a level-0 sleep)."""
+
+    def __init__(self, fail_enqueue=False):
+        self.paused = False
+        self.queued = []
+        self.first_step = None  # requests the first step held
+        self.fail_enqueue = fail_enqueue
+
+    def _step(self):
+        if not self.paused and self.queued and self.first_step is None:
+            self.first_step = len(self.queued)
+
+    def sleep(self, level, mode):
+        assert (level, mode) == (0, "keep"), "must pause scheduling only"
+        self.paused = True
+
+    def wake_up(self, tags):
+        assert tags == ["scheduling"]
+        self.paused = False
+        self._step()
+
+    def enqueue(self, prompts, params, use_tqdm):
+        for prompt in prompts:
+            if self.fail_enqueue:
+                raise ValueError("bad prompt")
+            self.queued.append(prompt)
+            self._step()
+
+    def wait_for_completion(self, use_tqdm):
+        self._step()
+        return list(self.queued)
+
+
+def test_the_first_step_holds_every_request(e2e):
+    engine = _SteppingEngine()
+    outs = e2e.generate_from_full_queue(engine, ["a", "b", "c", "d"], None)
+    assert outs == ["a", "b", "c", "d"]
+    assert engine.first_step == 4
+
+
+def test_a_failed_hand_off_leaves_the_engine_scheduling(e2e):
+    engine = _SteppingEngine(fail_enqueue=True)
+    with pytest.raises(ValueError, match="bad prompt"):
+        e2e.generate_from_full_queue(engine, ["a"], None)
+    assert not engine.paused
