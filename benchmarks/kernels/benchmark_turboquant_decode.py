@@ -83,8 +83,10 @@ SPLIT_CASES = [CASES[0], CASES[1], CASES[3], CASES[6]]
 SPLIT_POINTS = [(0, 0), (4, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
 SPLIT_POINTS += [(0, 168)]
 # Rows of the backend's decode scratch (max_num_seqs; vLLM's default on
-# GPUs under 70 GB, 1,024 above): 32 splits per row, shared by all layers.
+# GPUs under 70 GB, 1,024 above), shared by all layers, and its splits per
+# row (the backend's tq_max_kv_splits_for_cuda_graph default).
 SCRATCH_ROWS = 256
+SCRATCH_SPLITS = 32
 SWEEP_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc"]
 # (BLOCK_N, warps, key dimensions per dot, register cap (0: none), splits
 # (0: the kernel's own count from shapes + SMs)). The kernel's defaults
@@ -297,10 +299,16 @@ def fa_runner(q, k_cache, v_cache, block_table, seq_lens, context, scale):
     return run, None
 
 
+def backend_scratch(batch: int, heads: int, D: int) -> torch.Tensor:
+    """The backend's shared decode scratch for a batch, NaN-poisoned: a call
+    must write every partial result it reads."""
+    shape = (max(batch, SCRATCH_ROWS), heads, SCRATCH_SPLITS, D + 1)
+    return torch.full(shape, float("nan"), device="cuda")
+
+
 def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new):
     """0.20.2's entry point (old) or the split-KV kernel (new), as the backend
-    calls them: the shared scratch of patch 0008 ([SCRATCH_ROWS, Hq, 32,
-    D + 1] fp32)."""
+    calls them: the shared scratch of patch 0008 (``backend_scratch``)."""
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
@@ -310,9 +318,9 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     if new and splitkv is None:
         return None
     B, Hq, D = q.shape
-    S = 32  # the backend's tq_max_kv_splits_for_cuda_graph default
+    S = SCRATCH_SPLITS
     # Poisoned: the first (checked) call must write every output it returns.
-    mid = torch.full((max(B, SCRATCH_ROWS), Hq, S, D + 1), float("nan"), device="cuda")
+    mid = backend_scratch(B, Hq, D)
     out_buf = torch.full((B, Hq, D), float("nan"), device="cuda")
     lse = torch.full((B, Hq), float("nan"), device="cuda")
 
@@ -371,7 +379,7 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, po
     """The split-KV kernel at one sweep point (see SWEEP_POINTS)."""
     B, Hq, D = q.shape
     *geometry, splits = point
-    mid = torch.empty(B, Hq, 32, D + 1, dtype=torch.float32, device="cuda")
+    mid = torch.empty(B, Hq, SCRATCH_SPLITS, D + 1, dtype=torch.float32, device="cuda")
 
     return splitkv_call(
         q,
@@ -627,9 +635,7 @@ def bench_splits(cases, presets, timer, bw, rows, log):
     for c in filled_caches(cases, presets, bw):
         for splits, maxnreg in SPLIT_POINTS:
             gluon_register_cap(maxnreg)
-            mid = torch.full(
-                (max(c.B, SCRATCH_ROWS), c.hq, 32, c.D + 1), float("nan"), device="cuda"
-            )
+            mid = backend_scratch(c.B, c.hq, c.D)
             run = splitkv_call(
                 c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,
                 c.D**-0.5, mid_o_buf=mid, max_num_kv_splits=mid.shape[2],
