@@ -235,6 +235,34 @@ def test_decode_keeps_the_triton_stage1_where_gluon_does_not_serve(
     assert not gluon_on_numpy
 
 
+@pytest.mark.parametrize("key_fp8", [True, False])
+def test_query_chunk_rows_fall_in_distinct_banks(key_fp8):
+    """Every tile reloads the query chunks from shared memory with ldmatrix,
+    which reads 8 rows of 16 bytes per 8 x 8 matrix in one wavefront only if
+    the 8 pieces sit in distinct 4-bank groups. Without a swizzle the rows
+    (64 or 128 bytes long) shared banks: ncu counted ~70 % of the loop's
+    shared wavefronts as bank conflicts (benchmarks/NOTES.md, "Release 12").
+    The addresses follow Triton's swizzle rule for the kernel's layout."""
+    cfg = gluon_decode.launch_config(128, key_fp8, word32=key_fp8)
+    qc, smem = cfg["QC"], cfg["Q_SMEM"]
+    assert list(smem.order)[0] == 2, "the chunk's columns must be contiguous"
+
+    def byte_address(row, col):  # fp16 element (row, col) of one chunk
+        phase = (row // smem.per_phase) % smem.max_phase
+        piece = (col // smem.vec) ^ phase
+        return 2 * (row * qc + piece * smem.vec + col % smem.vec)
+
+    for first_row in (0, 8):
+        for col in range(0, qc, 8):
+            groups = [byte_address(first_row + r, col) // 16 % 8 for r in range(8)]
+            assert sorted(groups) == list(range(8)), (
+                f"query chunk of {qc} fp16: the 8 rows of the 16-byte piece at "
+                f"column {col} (rows {first_row}+) fall in bank groups "
+                f"{groups}; ldmatrix needs 8 distinct groups to read them in "
+                f"one wavefront. Swizzle the chunk's shared layout by row."
+            )
+
+
 @pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
 @pytest.mark.parametrize(("head_dim", "gqa"), [(128, 4), (256, 6), (512, 8)])
 def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):

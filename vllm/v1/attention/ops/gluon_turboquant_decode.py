@@ -143,9 +143,17 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
         block_bases=[],
         shape=[W, 16, 4, 1, 2, 2, 4],
     )
+    # The query chunk as ldmatrix reads it: rows of QC fp16 (64 or 128 bytes)
+    # with 16-byte pieces XOR-swizzled by row, so the 8 rows of one 8 x 8
+    # matrix fall in distinct banks. Unswizzled, those rows shared banks
+    # (8-way at 128-byte rows): ncu counted ~70 % of the loop's shared
+    # wavefronts as bank conflicts, and L1 at 78-82 % of its peak.
+    rows_per_phase = max(1, 128 // (qc * 2))
+    q_smem = gl.SwizzledSharedLayout(8, rows_per_phase, 8 // rows_per_phase, [2, 1, 0])
     return dict(
         W=W,
         MMA=mma,
+        Q_SMEM=q_smem,
         A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         KW16=kw16,
@@ -346,6 +354,7 @@ def _stage1(
     VOFF16: gl.constexpr,  # u16 offset of the value field
     W: gl.constexpr,
     MMA: gl.constexpr,
+    Q_SMEM: gl.constexpr,
     A_OP: gl.constexpr,
     B_OP: gl.constexpr,
     KW16: gl.constexpr,
@@ -381,7 +390,7 @@ def _stage1(
     # memory. Slice-local logical k = r0 + 2 t + 8 r1 + 16 j is physical
     # dimension 32 t + r0 + 2 r1 + 4 j: a thread's B elements are contiguous.
     NCH: gl.constexpr = _SLICE // QC
-    q_smem = gl.allocate_shared_memory(gl.float16, [NCH, W, 16, QC], _SMEM3)
+    q_smem = gl.allocate_shared_memory(gl.float16, [NCH, W, 16, QC], Q_SMEM)
     wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, A_OP)))
     rq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, A_OP)))
     hq = kv_head * GROUP + rq % 8
