@@ -16,10 +16,14 @@ measures them:
 
 (about 5 s per compile on one core). ``--gluon`` reports the Gluon stage 1
 (vllm/v1/attention/ops/gluon_turboquant_decode.py) for the presets it serves:
-16 tokens per step, head_dim / 128 warps.
+16 tokens per step, head_dim / 128 warps; it adds the SASS instructions of
+the tile loop per token (``nvdisasm``, shipped with Triton, on the cubin),
+and ``--sass`` prints that loop's opcode mix (memory, shuffle and barrier
+opcodes first: the ones that queue on L1 and shared memory).
 """
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -53,10 +57,58 @@ def loop_instructions(ptx: str) -> int:
     return sum(1 for line in lines[start:end] if line and not line.startswith(skip))
 
 
-def _ptxas_info(ptx: str, arch: int) -> str:
+# Opcodes that queue on the L1 / shared-memory pipe (or wait on it), listed
+# first in the --sass mix.
+MEMORY_OPCODES = ("LDG", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", "SHFL", "BAR")
+
+
+def _triton_tool(name: str) -> str:
+    """A CUDA tool that Triton's NVIDIA backend ships (ptxas, nvdisasm)."""
     import triton
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"no {name} at {path}: this report uses the one Triton's NVIDIA "
+            "backend ships; install a triton wheel that has it"
+        )
+    return path
+
+
+def sass_loop_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode counts (per thread, predicated or not) of the longest loop in
+    the cubin's SASS: the tile loop."""
+    nvdisasm = _triton_tool("nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [nvdisasm, "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    labels, ops = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        inst = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if inst:
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", inst.group(1)))
+    start, end = 0, -1
+    for i, op in enumerate(ops):
+        back = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
+        head = labels.get(back.group(1), i) if back else i
+        if head < i and i - head > end - start:
+            start, end = head, i
+    if end < 0:
+        raise ValueError("the SASS has no backward branch: no tile loop to count")
+    return collections.Counter(
+        op.split()[0].split(".")[0] for op in ops[start : end + 1]
+    )
+
+
+def _ptxas_info(ptx: str, arch: int) -> str:
+    ptxas = _triton_tool("ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -97,7 +149,7 @@ def compile_stage1(
     )
     mse_bytes = 0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 8
     constants = dict(
-        NUM_SPLITS=2,
+        SPLIT=True,
         MIN_TOKENS=splitkv.MIN_SPLIT_TOKENS,
         HEAD_DIM=head_dim,
         PAGE=16,
@@ -169,7 +221,10 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         SHARED_PER_SM // max(shared, 1),
     )
     loop = loop_instructions(kernel.asm["ptx"])
-    return registers, spills, shared, per_sm, loop * warps / gluon_decode.TILE
+    sass = sass_loop_opcodes(kernel.asm["cubin"])
+    return (
+        registers, spills, shared, per_sm, loop * warps / gluon_decode.TILE, sass
+    )  # fmt: skip
 
 
 def main():
@@ -191,26 +246,45 @@ def main():
         help="the odd-stride path (pages padded to an odd size)",
     )
     ap.add_argument("--gluon", action="store_true", help="the Gluon stage 1")
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="with --gluon: the tile loop's SASS opcode mix per 16-token tile",
+    )
     args = ap.parse_args()
+    if args.sass and not args.gluon:
+        ap.error("--sass reports the Gluon stage 1: add --gluon")
     if args.gluon:
         print(
             "preset               head_dim  regs  spill  shared  progs/SM  "
-            "loop warp-instr/token"
+            "loop warp-instr/token (PTX, SASS)"
         )
         for preset in args.presets:
             for head_dim in args.head_dims:
                 try:
-                    regs, spills, shared, per_sm, per_token = compile_gluon_stage1(
-                        preset, head_dim, GQA[head_dim], args.arch
+                    regs, spills, shared, per_sm, per_token, sass = (
+                        compile_gluon_stage1(preset, head_dim, GQA[head_dim], args.arch)
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{preset:20s} {head_dim:8d}: {e}")
                     continue
+                # Each warp runs the loop over one 16-token tile.
+                sass_per_token = sum(sass.values()) * head_dim // 128 / 16
                 print(
                     f"{preset:20s} {head_dim:8d} {regs:5d} {spills:6d} "
-                    f"{shared // 1024:5d}K {per_sm:9d} {per_token:10.0f}",
+                    f"{shared // 1024:5d}K {per_sm:9d} {per_token:10.0f} "
+                    f"{sass_per_token:6.0f}",
                     flush=True,
                 )
+                if args.sass:
+                    first = [(op, sass[op]) for op in MEMORY_OPCODES if sass[op]]
+                    rest = [
+                        (op, n)
+                        for op, n in sass.most_common()
+                        if op not in MEMORY_OPCODES
+                    ]
+                    mix = ", ".join(f"{op} {n}" for op, n in first + rest)
+                    print(f"  SASS per warp and tile ({sum(sass.values())}): {mix}")
         return
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 

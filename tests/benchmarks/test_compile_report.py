@@ -16,7 +16,7 @@ REPORT = (
 )
 
 
-@pytest.mark.parametrize("extra", [[], ["--gluon"]])
+@pytest.mark.parametrize("extra", [[], ["--gluon"], ["--gluon", "--sass"]])
 def test_compile_report_prints_a_row_per_case(extra):
     pytest.importorskip("triton.experimental.gluon")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -29,9 +29,33 @@ def test_compile_report_prints_a_row_per_case(extra):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("turboquant")]
     assert len(rows) == 1, out.stdout
-    if extra:  # preset, head_dim, registers, spill bytes, shared, programs/SM, loop
-        fields = rows[0].split()
+    # A case that fails to compile prints its name, a colon and the error.
+    assert ":" not in rows[0], rows[0]
+    fields = rows[0].split()
+    if extra:  # preset, head_dim, registers, spill bytes, shared, programs/SM,
+        # loop instructions per token: PTX, SASS
         assert int(fields[2]) <= 255 and int(fields[3]) == 0, rows[0]
+        assert 0 < int(fields[7]) <= int(fields[6]) * 2, rows[0]
+    else:  # ..., registers, spill bytes, shared, programs/SM, loop per token
+        assert int(fields[-5]) <= 255 and int(fields[-1]) > 0, rows[0]
+    mix = [line for line in out.stdout.splitlines() if "SASS per warp" in line]
+    if "--sass" in extra:
+        # The tile loop reloads the query chunks with ldmatrix and runs the
+        # dots on tensor cores.
+        assert len(mix) == 1 and "LDSM" in mix[0] and "HMMA" in mix[0], out.stdout
+    else:
+        assert not mix, out.stdout
+
+
+def test_sass_needs_the_gluon_report():
+    out = subprocess.run(
+        [sys.executable, str(REPORT), "--sass"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert "--sass reports the Gluon stage 1: add --gluon" in out.stderr
 
 
 def test_compile_report_names_a_head_dim_it_has_no_case_for():
