@@ -40,19 +40,27 @@ REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 
 
+def _tile_loop(lines: list[str], label: str, branch: str) -> tuple[int, int] | None:
+    """(label line, branch line) of the longest loop in an assembly listing,
+    the tile loop, or None without one. ``label`` matches a label line and
+    ``branch`` finds a branch's target, each as group 1."""
+    heads: dict[str, int] = {}
+    loop = None
+    for i, line in enumerate(lines):
+        if m := re.match(label, line):
+            heads[m.group(1)] = i
+        elif (m := re.search(branch, line)) and m.group(1) in heads:
+            head = heads[m.group(1)]  # defined above: a backward branch
+            if loop is None or i - head > loop[1] - loop[0]:
+                loop = (head, i)
+    return loop
+
+
 def loop_instructions(ptx: str) -> int:
     """PTX instructions in the longest loop (the tile loop), per thread."""
     lines = [line.strip() for line in ptx.splitlines()]
-    labels = {
-        line.split(":")[0]: i
-        for i, line in enumerate(lines)
-        if re.match(r"^\$L__\w+:", line)
-    }
-    start, end = 0, 0
-    for i, line in enumerate(lines):
-        m = re.search(r"bra(\.uni)?\s+(\$L__\w+);", line)
-        if m and labels.get(m.group(2), i) < i and i - labels[m.group(2)] > end - start:
-            start, end = labels[m.group(2)], i
+    loop = _tile_loop(lines, r"(\$L__\w+):", r"bra(?:\.uni)?\s+(\$L__\w+);")
+    start, end = loop or (0, 0)
     skip = ("$", "//", "{", "}", ".")
     return sum(1 for line in lines[start:end] if line and not line.startswith(skip))
 
@@ -85,26 +93,16 @@ def sass_loop_opcodes(cubin: bytes) -> collections.Counter:
         sass = subprocess.run(
             [nvdisasm, "-c", f.name], capture_output=True, text=True, check=True
         ).stdout
-    labels, ops = {}, []
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(ops)
-            continue
-        inst = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
-        if inst:
-            ops.append(re.sub(r"^@!?U?P\w+\s+", "", inst.group(1)))
-    start, end = 0, -1
-    for i, op in enumerate(ops):
-        back = re.search(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
-        head = labels.get(back.group(1), i) if back else i
-        if head < i and i - head > end - start:
-            start, end = head, i
-    if end < 0:
+    lines = sass.splitlines()
+    loop = _tile_loop(lines, r"\s*(\.L_x_\d+):", r"BRA\s+(?:`\()?(\.L_x_\d+)")
+    if loop is None:
         raise ValueError("the SASS has no backward branch: no tile loop to count")
-    return collections.Counter(
-        op.split()[0].split(".")[0] for op in ops[start : end + 1]
-    )
+    ops = collections.Counter()
+    for line in lines[loop[0] : loop[1] + 1]:
+        if inst := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            op = re.sub(r"^@!?U?P\w+\s+", "", inst.group(1))  # drop the predicate
+            ops[op.split()[0].split(".")[0]] += 1
+    return ops
 
 
 def _ptxas_info(ptx: str, arch: int) -> str:
