@@ -38,6 +38,9 @@ PRESETS = [
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
+# Registers are allocated per warp in units of 256, 8 per thread: at 226 per
+# thread ncu's "Block Limit Registers" reads 8 one-warp programs, not 9.
+REGISTER_UNIT = 8
 
 
 def _tile_loop(lines: list[str], label: str, branch: str) -> tuple[int, int] | None:
@@ -103,6 +106,14 @@ def sass_loop_opcodes(cubin: bytes) -> collections.Counter:
             op = re.sub(r"^@!?U?P\w+\s+", "", inst.group(1))  # drop the predicate
             ops[op.split()[0].split(".")[0]] += 1
     return ops
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> int:
+    allocated = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
+    return min(
+        REGISTERS_PER_SM // (allocated * 32 * warps),
+        SHARED_PER_SM // max(shared, 1),
+    )
 
 
 def _ptxas_info(ptx: str, arch: int) -> str:
@@ -182,10 +193,7 @@ def compile_stage1(
     loop = loop_instructions(kernel.asm["ptx"])
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     shared = kernel.metadata.shared
-    per_sm = min(
-        REGISTERS_PER_SM // (registers * 32 * num_warps),
-        SHARED_PER_SM // max(shared, 1),
-    )
+    per_sm = programs_per_sm(registers, num_warps, shared)
     return registers, spills, shared, per_sm, loop * num_warps / block_n
 
 
@@ -214,10 +222,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
     spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     shared = kernel.metadata.shared
     warps = kernel.metadata.num_warps
-    per_sm = min(
-        REGISTERS_PER_SM // (registers * 32 * warps),
-        SHARED_PER_SM // max(shared, 1),
-    )
+    per_sm = programs_per_sm(registers, warps, shared)
     loop = loop_instructions(kernel.asm["ptx"])
     sass = sass_loop_opcodes(kernel.asm["cubin"])
     return (

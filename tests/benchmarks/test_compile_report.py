@@ -4,6 +4,7 @@
 report, for the Triton stage 1 and (``--gluon``) the Gluon one."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,16 @@ def test_compile_report_prints_a_row_per_case(extra):
         # loop instructions per token: PTX, SASS
         assert int(fields[2]) <= 255 and int(fields[3]) == 0, rows[0]
         assert 0 < int(fields[7]) <= int(fields[6]) * 2, rows[0]
+        registers, warps, per_sm = int(fields[2]), 1, int(fields[5])
     else:  # ..., registers, spill bytes, shared, programs/SM, loop per token
         assert int(fields[-5]) <= 255 and int(fields[-1]) > 0, rows[0]
+        warps = int(re.search(r"\(\d+, (\d+)", rows[0]).group(1))  # geometry
+        registers, per_sm = int(fields[-5]), int(fields[-2])
+    # Registers are allocated 8 per thread at a time (ncu's block limit for
+    # 226 registers and one warp: 8 programs); the shared memory is far from
+    # binding at head_dim 128.
+    allocated = -(-registers // 8) * 8
+    assert per_sm == 65536 // (allocated * 32 * warps), rows[0]
     mix = [line for line in out.stdout.splitlines() if "SASS per warp" in line]
     if "--sass" in extra:
         # The tile loop reloads the query chunks with ldmatrix and runs the

@@ -6,15 +6,17 @@ Gluon has no CPU interpreter. Its tensor operations (reshape, permute, join,
 split, reductions, loads through pointer tensors) are defined on logical
 tensors, whatever their layouts, so running the kernel's Python body with
 NumPy arrays checks every index permutation, table and softmax step. Layouts,
-layout conversions and barriers are no-ops here; inline-asm helpers and
-``mma_v2`` are replaced by NumPy models (``MODELS``), which is what this
-cannot check, with the hardware itself. Unmasked out-of-bounds loads and
-stores raise.
+layout conversions and barriers are no-ops here. ``mma_v2`` and some
+inline-asm helpers are replaced by NumPy models (``MODELS``); the other
+helpers' asm runs on ``ptx``, an emulator of the few PTX integer
+instructions they use, so their text itself is checked. What this cannot
+check is the hardware. Unmasked out-of-bounds loads and stores raise.
 
 Only the operations the TurboQuant decode kernel uses are provided. Module
 constants the kernel reads (``gl.constexpr``) are passed as their values.
 """
 
+import re
 import types
 
 import numpy as np
@@ -181,8 +183,107 @@ def _language(pid) -> types.SimpleNamespace:
         store=_store,
         SliceLayout=_none,
         BlockedLayout=_none,
+        inline_asm_elementwise=_inline_asm_elementwise,
     )
     return gl
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _lop3(a, b, c, lut):
+    out = np.zeros_like(a)
+    for bit in range(32):
+        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> idx) & 1) << bit
+    return out
+
+
+def _prmt(a, b, c):
+    src = (a & _M32) | ((b & _M32) << 32)  # bytes 0-3 of a, 4-7 of b
+    out = np.zeros_like(a)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 15
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte << (8 * i)
+    return out
+
+
+def _dp4a(a, b, c):
+    return c + sum(((a >> (8 * i)) & 0xFF) * ((b >> (8 * i)) & 0xFF) for i in range(4))
+
+
+_OPS = {
+    "shr.b32": lambda a, b: (a & _M32) >> b,
+    "shl.b32": lambda a, b: a << b,
+    "and.b32": lambda a, b: a & b,
+    "mul.lo.u32": lambda a, b: a * b,
+    "mad.lo.u32": lambda a, b, c: a * b + c,
+    "lop3.b32": _lop3,
+    "prmt.b32": _prmt,
+    "dp4a.u32.u32": _dp4a,
+}
+
+
+def ptx(asm: str, constraints: str, args, dtypes):
+    """Run an inline-asm block on NumPy: ``$i`` are the outputs, then the
+    inputs; registers are unsigned 32-bit (``=h`` outputs: 16-bit halves
+    from ``mov.b32 {lo, hi}``). ``%laneid`` reads 31, the last lane, so an
+    access by lane that is in bounds for lane 0 only raises."""
+    cons = [c.strip() for c in constraints.split(",")]
+    n_out = sum(c.startswith("=") for c in cons)
+    args = np.broadcast_arrays(*[np.asarray(a).astype(np.int64) & _M32 for a in args])
+    regs = {f"${n_out + i}": a for i, a in enumerate(args)}
+    shape = args[0].shape if args else ()
+    regs["%laneid"] = np.full(shape, 31, np.int64)
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.full(shape, int(tok, 0), np.int64)
+
+    for stmt in asm.split(";"):
+        stmt = stmt.strip().strip("{}").strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        if op in ("mov.b32", "mov.u32"):
+            dst, src = re.fullmatch(r"(\{[^}]*\}|[^,]+),\s*(.+)", rest).groups()
+            if dst.startswith("{"):  # unpack into 16-bit halves
+                lo, hi = (t.strip() for t in dst.strip("{}").split(","))
+                regs[lo], regs[hi] = val(src) & 0xFFFF, (val(src) >> 16) & 0xFFFF
+            else:
+                regs[dst] = val(src) & _M32
+            continue
+        if op not in _OPS:
+            raise NotImplementedError(f"ptx: no model of {op!r}")
+        dst, *srcs = (t.strip() for t in rest.split(","))
+        regs[dst] = _OPS[op](*(val(t) for t in srcs)) & _M32
+    outs = []
+    for i, (con, dt) in enumerate(zip(cons[:n_out], dtypes)):
+        bits = regs[f"${i}"]
+        if con == "=h":
+            outs.append(_t(bits.astype(np.uint16).view(dt.np)))
+        else:
+            outs.append(_t(bits.astype(np.uint32).view(dt.np)))
+    return outs
+
+
+def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
+    if pack != 1:
+        raise NotImplementedError("ptx: pack=1 only")
+    multi = isinstance(dtype, tuple)
+    outs = ptx(asm, constraints, args, dtype if multi else (dtype,))
+    return tuple(outs) if multi else outs[0]
+
+
+def call(helper, *args):
+    """Run a ``gluon.jit`` helper's body on NumPy (its asm on ``ptx``)."""
+    glb = dict(helper.fn.__globals__)
+    glb["gl"] = _language((0, 0, 0))
+    return types.FunctionType(helper.fn.__code__, glb)(*args)
 
 
 def _e4m3x4(w):
@@ -195,13 +296,6 @@ def _u4x8(w):
     return tuple(_t(((w >> (4 * i)) & 15).astype(np.float16)) for i in range(8))
 
 
-def _f16x2(w):
-    w = np.asarray(w).astype(np.int64) & 0xFFFFFFFF
-    lo = (w & 0xFFFF).astype(np.uint16).view(np.float16)
-    hi = (w >> 16).astype(np.uint16).view(np.float16)
-    return _t(lo), _t(hi)
-
-
 def _mma_v2(a, b, acc, input_precision=None):
     # fp16 products are exact in fp32; the hardware accumulates in fp32.
     r = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
@@ -211,7 +305,6 @@ def _mma_v2(a, b, acc, input_precision=None):
 MODELS = {
     "_e4m3x4_to_f16": _e4m3x4,
     "_u4x8_to_f16": _u4x8,
-    "_f16x2": _f16x2,
     "mma_v2": _mma_v2,
 }
 

@@ -16,8 +16,11 @@ replay) take it wherever it serves.
 """
 
 import importlib
+import logging
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +34,7 @@ from tests.kernels.attention.test_turboquant_decode_splitkv import (
     _run,
     _tables,
 )
+from vllm.logger import _print_info_once
 from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
 )
@@ -115,13 +119,58 @@ def test_a_small_batch_splits_into_the_spare_scratch_rows(
     assert [g[0] for g in gluon_on_numpy] == [16]
 
 
-@pytest.mark.parametrize("fault", ["value nibble order", "key byte order"])
+def _asm_of(helper) -> str:
+    return next(c for c in helper.fn.__code__.co_consts if "prmt.b32" in str(c))
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "value nibble order",
+        "key byte order",
+        "MSE key tails unsigned",
+        "MSE key squares' top plane dropped",
+    ],
+)
 def test_a_fault_in_the_unpacking_turns_the_check_red(
     triton_interpret, monkeypatch, fault
 ):
-    """The NumPy check sees a permutation error in either operand."""
+    """The NumPy check sees a permutation error in either operand, and the
+    MSE key lookup's asm (run on ``gluon_numpy.ptx``) faults that move
+    scores by ~2**-12: a tail without its sign, or squares without their
+    top byte plane."""
     models = dict(gluon_numpy.MODELS)
-    if fault == "value nibble order":
+    preset = "turboquant_4bit_nc"
+    if fault.startswith("MSE"):
+        helper = (
+            gluon_decode._mse_centroids
+            if "tails" in fault
+            else gluon_decode._mse_squares
+        )
+        asm = _asm_of(helper)
+        if "tails" in fault:
+            wrong_asm = re.sub(r"lop3[^;]*;", "", asm)  # no sign bit set
+        else:
+            wrong_asm = asm.replace("mad.lo.u32 $0, a2, 65536, a0;", "mov.b32 $0, a0;")
+        assert wrong_asm != asm
+        cons = helper.fn.__code__.co_consts
+        cons_text = next(c for c in cons if isinstance(c, str) and c.startswith("="))
+        n_out = cons_text.count("=")
+        calls = []
+
+        def wrong(*args):
+            dtypes = (
+                (gluon_numpy.float16,) * n_out if n_out > 1 else (gluon_numpy.int32,)
+            )
+            # Each chunk looks up its heads, then its tails: fault the tails.
+            calls.append(None)
+            tails = "tails" in fault and len(calls) % 2 == 0
+            text = wrong_asm if tails or "tails" not in fault else asm
+            out = gluon_numpy.ptx(text, cons_text, args, dtypes)
+            return tuple(out) if n_out > 1 else out[0]
+
+        models[helper.fn.__name__] = wrong
+    elif fault == "value nibble order":
 
         def wrong(w):
             n = list(gluon_numpy.MODELS["_u4x8_to_f16"](w))
@@ -129,7 +178,6 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
             return tuple(n)
 
         models["_u4x8_to_f16"] = wrong
-        preset = "turboquant_4bit_nc"
     else:
 
         def wrong(w):
@@ -144,23 +192,73 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
         _run(triton_interpret, preset, 128, 4, [45, 70])
 
 
-def test_key_table_holds_heads_tails_and_squares(monkeypatch):
+def _decode_table(table: torch.Tensor):
+    """Every nibble through the kernel's own asm (on ``gluon_numpy.ptx``):
+    the [16] fp16 heads and [16] centroids (heads + tails, unscaled) by
+    nibble value, [16] sums of 8 squares (nibbles ``nib``), and the scale."""
+    assert table.shape == (32, gluon_decode.TABLE_WORDS)  # one row per lane
+    assert (table == table[0]).all()
+    words = table[0].cpu().numpy().astype(np.int64)
+    # Each nibble value at each of the 8 positions of a word.
+    nib = (np.arange(16)[:, None] + 5 * np.arange(8)[None, :]) % 16
+    w = (nib << (4 * np.arange(8))).sum(1)
+    w = np.where(w >= 2**31, w - 2**32, w).astype(np.int32)
+    sel, pos0, pos1 = gluon_numpy.call(gluon_decode._mse_select, w)
+    lookup = gluon_decode._mse_centroids
+    out_h = gluon_numpy.call(lookup, sel, pos0, pos1, *words[0:4])
+    out_t = gluon_numpy.call(lookup, sel, pos0, pos1, *words[4:8])
+    heads = np.zeros(16, np.float16)
+    tails = np.zeros(16, np.float16)
+    for i in range(8):
+        heads[nib[:, i]] = out_h[i]
+        tails[nib[:, i]] = out_t[i]
+    for i in range(8):  # the same nibble decodes alike at every position
+        assert np.array_equal(heads[nib[:, i]], out_h[i])
+        assert np.array_equal(tails[nib[:, i]], out_t[i])
+    sq_scale, key_scale = words[14:16].astype(np.uint32).view(np.float32)
+    sums = gluon_numpy.call(gluon_decode._mse_squares, sel, *words[8:14])
+    # the word of nibbles n + 5 i (mod 16) holds 8 of the 16 values
+    values = (heads.astype(np.float64) + tails.astype(np.float64)) * key_scale
+    return heads, values, np.asarray(sums, np.float64) * sq_scale, nib, key_scale
+
+
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+def test_key_table_decodes_every_nibble(monkeypatch, head_dim):
+    """The table and the asm that reads it give, for every nibble at every
+    position of a key word, the (scaled) centroid's fp16 head, a tail
+    holding it to 2**-22 of the largest, and the word's squared centroids to
+    2**-21 (fixed point)."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
-    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
-    centroids = _tables(cfg, 128, "cpu")[0]
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", head_dim)
+    centroids = _tables(cfg, head_dim, "cpu")[0]
     table = gluon_decode.key_table(centroids)
-    assert table.shape == (256, 4) and table.dtype == torch.int32
+    assert table.dtype == torch.int32
     assert gluon_decode.key_table(centroids) is table  # built once
-    c = centroids.double()
-    for byte in (0, 1, 0x5A, 0xF0, 0xFF):
-        lo, hi = byte & 15, byte >> 4
-        heads = table[byte, 0:1].view(torch.float16).double()
-        tails = table[byte, 1:2].view(torch.float16).double()
-        assert torch.equal(heads, c[[lo, hi]].half().double())
-        # head + tail holds the centroid to 2**-22 relative
-        assert torch.allclose(heads + tails, c[[lo, hi]], rtol=2**-21, atol=0)
-        square = table[byte, 2:3].view(torch.float32).double()
-        assert torch.allclose(square, c[lo] ** 2 + c[hi] ** 2, rtol=1e-6)
+    heads, got, sums, nib, key_scale = _decode_table(table)
+    c = centroids.double().numpy()
+    assert 0.5 <= np.abs(c).max() / key_scale < 1  # scaled by a power of two
+    assert np.array_equal(heads, (c / key_scale).astype(np.float16))
+    assert np.abs(got - c).max() <= 2**-22 * np.abs(c).max()
+    want = (c[nib] ** 2).sum(1)
+    assert np.abs(sums - want).max() <= 2**-21 * want.max()
+
+
+def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
+    """The lookup reads 8 magnitudes and a sign: centroids that are not 16
+    and symmetric get no table, so decode_attention keeps the Triton stage 1
+    (exact for any centroids) rather than a wrong one, and says so once."""
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    _print_info_once.cache_clear()
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    c = _tables(cfg, 128, "cpu")[0]
+    shifted = c.clone()
+    shifted[3] += 1e-3
+    with caplog_vllm.at_level(logging.INFO, logger="vllm"):
+        assert gluon_decode.key_table(shifted) is None
+    assert "symmetric about 0" in caplog_vllm.text
+    assert "the Triton stage 1 serves them" in caplog_vllm.text
+    assert gluon_decode.key_table(c[:8].clone()) is None
+    assert gluon_decode.key_table(c.clone()) is not None
 
 
 def test_key_table_builds_nothing_while_a_graph_is_captured(monkeypatch):
@@ -198,8 +296,8 @@ def test_key_table_is_rebuilt_for_other_centroids_at_the_same_address(monkeypatc
     assert second.data_ptr() == memory.data_ptr()
     table = gluon_decode.key_table(second)
     assert not torch.equal(table, old)
-    heads = table[:, 0:1].view(torch.float16)[:, 0]  # low nibble
-    assert torch.equal(heads[:16], memory.half())
+    got = _decode_table(table)[1]
+    assert np.abs(got - memory.double().numpy()).max() < 1e-7
     assert gluon_decode.key_table(second) is table  # then built once
     # Inference tensors (vLLM runs the model under inference mode) work too.
     with torch.inference_mode():

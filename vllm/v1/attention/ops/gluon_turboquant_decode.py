@@ -20,11 +20,14 @@ value crosses threads:
 - fp16 m16n8k16 dots with fp32 accumulation. A-operand rows 0-7 carry
   fp16(x) and rows 8-15 fp16(x - fp16(x)) (22 significant bits together), for
   the query and for ``p * scale``; the two row halves add up at the end.
-- FP8 keys convert with ``cvt.rn.f16x2.e4m3x2`` (exact). MSE keys read a
-  256-entry table per key byte (``key_table``, L1-resident, one 16-byte load):
-  fp16 heads and tails of both nibbles' centroids and the sum of their
-  squares (norm correction). 4-bit values are ``(n | 0x6400) - 1024`` in
-  f16x2 (exact).
+- FP8 keys convert with ``cvt.rn.f16x2.e4m3x2`` (exact). MSE keys look
+  their centroids up in registers: the centroids are symmetric (c[n] =
+  -c[15 - n]), so a nibble is a sign and one of 8 magnitudes, and ``prmt``
+  picks 4 bytes of 8 at once. ``key_table`` holds the magnitudes' fp16 heads
+  and tails as byte planes and their squares in 22-bit fixed point (norm
+  correction, summed exactly by ``dp4a``). A 256-entry table in global
+  memory, gathered per key byte, kept L1 at ~80 % of its peak (release 12).
+  4-bit values are ``(n | 0x6400) - 1024`` in f16x2 (exact).
 - The score tile's accumulator layout is the fp16 A-operand layout, so ``p``
   stays in registers between the two dots.
 
@@ -37,6 +40,7 @@ stage 1's time at 16 x 8K (benchmarks/NOTES.md, "Release 9").
 """
 
 import functools
+import math
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -45,6 +49,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 # Head dimensions per warp.
 SLICE = 128
@@ -123,26 +131,6 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
         block_bases=[],
         shape=[W, 16, 16],
     )
-    # Key bytes [W, n, t, 1, b & 1, b >> 1] and an in-thread table entry of 4.
-    table = gl.DistributedLinearLayout(
-        reg_bases=[
-            [0, 0, 0, 0, 0, 0, 1],
-            [0, 0, 0, 0, 0, 0, 2],
-            [0, 0, 0, 0, 0, 1, 0],
-            [0, 0, 0, 0, 1, 0, 0],
-            [0, 8, 0, 0, 0, 0, 0],
-        ],
-        lane_bases=[
-            [0, 0, 1, 0, 0, 0, 0],
-            [0, 0, 2, 0, 0, 0, 0],
-            [0, 1, 0, 0, 0, 0, 0],
-            [0, 2, 0, 0, 0, 0, 0],
-            [0, 4, 0, 0, 0, 0, 0],
-        ],
-        warp_bases=_warp_bases(W, 7),
-        block_bases=[],
-        shape=[W, 16, 4, 1, 2, 2, 4],
-    )
     # The query chunk as ldmatrix reads it: rows of QC fp16 (64 or 128 bytes)
     # with 16-byte pieces XOR-swizzled by row, so the 8 rows of one 8 x 8
     # matrix fall in distinct banks. Unswizzled, those rows shared banks
@@ -164,7 +152,6 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
         LDV=ldv,
         KREG=kreg,
         VREG=vreg,
-        TABLE=table,
         WORD32=word32,
     )
 
@@ -174,38 +161,85 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
 # from: a freed tensor's address can hold other centroids later (another
 # engine in the same process). Not its version counter: the backend's
 # centroids are constants, and inference tensors have none.
-_tables: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
+_tables: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor | None]] = {}
+
+# Words of key_table(); the kernel loads them once per program.
+TABLE_WORDS = 16
+_TABLE_WORDS = gl.constexpr(TABLE_WORDS)
+# Fixed-point bits of the squared magnitudes: a warp sums 128 of them per
+# token, 4 warps 512, below 2**31.
+SQUARE_BITS = 22
+
+
+def _byte_planes(values: torch.Tensor) -> list[torch.Tensor]:
+    """8 values of up to 32 bits -> per byte, two words holding that byte of
+    values 0-3 and 4-7 (``prmt``'s two sources)."""
+    v = values.to(torch.int64) & 0xFFFFFFFF
+    planes = []
+    for byte in range(4):
+        b = (v >> (8 * byte)) & 0xFF
+        for half in (b[:4], b[4:]):
+            planes.append((half << torch.arange(0, 32, 8)).sum())
+    return planes
+
+
+def _f32_bits(x: float) -> torch.Tensor:
+    return torch.tensor([x], dtype=torch.float32).view(torch.int32).long()[0]
 
 
 def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
-    """[256, 4] int32 per key byte (low nibble first): the f16x2 heads and
-    f16x2 tails of both centroids, their squares' fp32 sum, and 0.
+    """[32, TABLE_WORDS] int32, one row per lane, for 16 symmetric centroids
+    (c[n] = -c[15 - n]), by magnitude j (nibble 8 + j, its negation 7 - j):
 
-    Built once per centroid tensor. Building allocates and launches kernels,
-    which a CUDA graph capture must not record: while capturing, a table not
-    built before gives None (the caller then runs the Triton stage 1).
+    - words 0-3: the low and high byte planes of fp16 heads of the
+      magnitudes, scaled by a power of two to [0.5, 1),
+    - words 4-7: the same of the fp16 tails (scaled magnitude - head),
+    - words 8-13: the three low byte planes of round(c**2 * 2**e) for the
+      largest e keeping them below 2**SQUARE_BITS,
+    - word 14: 2**-e as fp32 bits; word 15: the factor (a power of two)
+      the heads and tails are scaled by, inverted, as fp32 bits.
+
+    None where the centroids are not 16 and symmetric (the caller then runs
+    the Triton stage 1), and while a CUDA graph is captured if not built
+    before: building allocates and copies, which a capture must not record.
     """
     key = (centroids.data_ptr(), str(centroids.device))
     hit = _tables.get(key)
     if hit is None or hit[0]() is not centroids:
         if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        c = centroids.float()
-        hi = c.half()
-        lo = (c - hi.float()).half()
-        b = torch.arange(256, device=c.device)
-        low, high = b & 15, b >> 4
-        hb = hi.view(torch.int16).int() & 0xFFFF
-        lb = lo.view(torch.int16).int() & 0xFFFF
-        table = torch.stack(
-            [
-                hb[low] | (hb[high] << 16),
-                lb[low] | (lb[high] << 16),
-                (c[low] * c[low] + c[high] * c[high]).view(torch.int32),
-                torch.zeros_like(b, dtype=torch.int32),
-            ],
-            -1,
-        ).to(torch.int32)
+        c = centroids.float().cpu()
+        table = None
+        if c.shape == (16,) and torch.equal(c, -c.flip(0)):
+            # Heads and tails of the centroids scaled to a largest magnitude
+            # in [0.5, 1): unscaled, head_dim 512's smallest tails were fp16
+            # subnormals, and head + tail held 21 bits instead of 22.
+            top = c.abs().max().item()
+            shift = 0 if top == 0 else -math.frexp(top)[1]
+            m = c[8:].double() * 2.0**shift
+            head = m.half()
+            tail = (m - head.double()).half()
+            square = c[8:].double() ** 2
+            top = square.max().item()
+            e = 0 if top == 0 else math.frexp((2**SQUARE_BITS - 1) / top)[1] - 1
+            fixed = torch.round(square * 2.0**e)
+            words = (
+                _byte_planes(head.view(torch.int16).int() & 0xFFFF)[:4]
+                + _byte_planes(tail.view(torch.int16).int() & 0xFFFF)[:4]
+                + _byte_planes(fixed.long())[:6]
+                + [_f32_bits(2.0**-e), _f32_bits(2.0**-shift)]
+            )
+            v = torch.stack(words).to(torch.int64)
+            v = torch.where(v >= 2**31, v - 2**32, v)  # the same 32 bits
+            # One copy per lane (see _stage1).
+            table = v.to(torch.int32).repeat(32, 1).to(centroids.device)
+        else:
+            logger.info_once(
+                "TurboQuant decode: the Gluon stage 1 reads 16 centroids "
+                "symmetric about 0 (c[n] == -c[15 - n]); these are not (shape "
+                "%s), so the Triton stage 1 serves them (same results, slower).",
+                tuple(c.shape),
+            )
         hit = _tables[key] = (weakref.ref(centroids), table)
     return hit[1]
 
@@ -267,12 +301,116 @@ def _u4x8_to_f16(w):
 
 
 @gluon.jit
-def _f16x2(w):
+def _lane_id():
     return gl.inline_asm_elementwise(
-        "mov.b32 {$0, $1}, $2;",
-        "=h,=h,r",
+        "mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+# MSE key words: 8 nibbles n, nibble i in bits 4i .. 4i+3. A nibble with
+# bit 3 set is magnitude j = n & 7, else the negation of j = 7 - n.
+@gluon.jit
+def _mse_select(w):
+    """(the 8 magnitudes j as nibbles, and per nibble of bits 0-15 / 16-31 a
+    byte of 0xFF where the centroid is positive)."""
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 b, w4;
+        shr.b32 b, $3, 3;
+        and.b32 b, b, 0x11111111;
+        mul.lo.u32 b, b, 7;
+        lop3.b32 $0, $3, b, 0x77777777, 0x82;
+        shl.b32 w4, $3, 4;
+        prmt.b32 $1, $3, w4, 0x9D8C;
+        prmt.b32 $2, $3, w4, 0xBFAE;
+        }
+        """,
+        "=r,=r,=r,r",
         [w],
-        dtype=(gl.float16, gl.float16),
+        dtype=(gl.int32,) * 3,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _mse_centroids(sel, pos0, pos1, lo0, lo1, hi0, hi1):
+    """The 8 nibbles' fp16 heads, or tails, from that field's two byte
+    planes: ``prmt`` picks a plane's bytes by magnitude, the sign bit is set
+    in the high byte of negative ones, and two more ``prmt`` interleave the
+    low and high bytes into f16x2 pairs (nibbles 2m, 2m + 1)."""
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 s, lo, hi, a, b;
+        prmt.b32 lo, $11, $12, $8;
+        prmt.b32 hi, $13, $14, $8;
+        lop3.b32 hi, hi, $9, 0x80808080, 0xD2;
+        prmt.b32 a, lo, hi, 0x5140;
+        prmt.b32 b, lo, hi, 0x7362;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        shr.b32 s, $8, 16;
+        prmt.b32 lo, $11, $12, s;
+        prmt.b32 hi, $13, $14, s;
+        lop3.b32 hi, hi, $10, 0x80808080, 0xD2;
+        prmt.b32 a, lo, hi, 0x5140;
+        prmt.b32 b, lo, hi, 0x7362;
+        mov.b32 {$4, $5}, a;
+        mov.b32 {$6, $7}, b;
+        }
+        """,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r",
+        [sel, pos0, pos1, lo0, lo1, hi0, hi1],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _key_operand(n, W: gl.constexpr, QC: gl.constexpr):
+    """A key chunk's 8 nibble values per word as [W, QC, 16 tokens]: joined
+    they are dims w n t cw i0 i1 i2 (nibble i = r0 + 2 r1 + 4 jb), and
+    logical k = r0 + 2 t + 8 r1 + 16 jb."""
+    k = gl.join(
+        gl.join(gl.join(n[0], n[1]), gl.join(n[2], n[3])),
+        gl.join(gl.join(n[4], n[5]), gl.join(n[6], n[7])),
+    )
+    return gl.reshape(gl.permute(k, [0, 3, 6, 5, 2, 4, 1]), [W, QC, 16])
+
+
+@gluon.jit
+def _mse_squares(sel, p00, p01, p10, p11, p20, p21):
+    """The sum of the 8 nibbles' squared centroids in fixed point: each byte
+    plane's 8 bytes summed by ``dp4a``, the planes weighted 1, 2**8, 2**16."""
+    return gl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 s, x, z, one, a0, a1, a2;
+        mov.b32 z, 0;
+        mov.b32 one, 0x01010101;
+        shr.b32 s, $1, 16;
+        prmt.b32 x, $2, $3, $1;
+        dp4a.u32.u32 a0, x, one, z;
+        prmt.b32 x, $2, $3, s;
+        dp4a.u32.u32 a0, x, one, a0;
+        prmt.b32 x, $4, $5, $1;
+        dp4a.u32.u32 a1, x, one, z;
+        prmt.b32 x, $4, $5, s;
+        dp4a.u32.u32 a1, x, one, a1;
+        prmt.b32 x, $6, $7, $1;
+        dp4a.u32.u32 a2, x, one, z;
+        prmt.b32 x, $6, $7, s;
+        dp4a.u32.u32 a2, x, one, a2;
+        mad.lo.u32 a0, a1, 256, a0;
+        mad.lo.u32 $0, a2, 65536, a0;
+        }
+        """,
+        "=r,r,r,r,r,r,r,r",
+        [sel, p00, p01, p10, p11, p20, p21],
+        dtype=gl.int32,
         is_pure=True,
         pack=1,
     )
@@ -365,7 +503,6 @@ def _stage1(
     LDV: gl.constexpr,
     KREG: gl.constexpr,
     VREG: gl.constexpr,
-    TABLE: gl.constexpr,
     WORD32: gl.constexpr,
 ):
     split = gl.program_id(0)
@@ -436,6 +573,29 @@ def _stage1(
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
 
+    if not KEY_FP8:  # key_table(): byte planes, read once
+        # One copy of the table per lane: words loaded from one address are
+        # uniform, which ptxas keeps in uniform registers and copies to
+        # vector registers before every ``prmt`` that reads them (~110
+        # moves per tile).
+        Table_ptr += _lane_id() * _TABLE_WORDS
+        t0 = gl.load(Table_ptr + 0)
+        t1 = gl.load(Table_ptr + 1)
+        t2 = gl.load(Table_ptr + 2)
+        t3 = gl.load(Table_ptr + 3)
+        t4 = gl.load(Table_ptr + 4)
+        t5 = gl.load(Table_ptr + 5)
+        t6 = gl.load(Table_ptr + 6)
+        t7 = gl.load(Table_ptr + 7)
+        t8 = gl.load(Table_ptr + 8)
+        t9 = gl.load(Table_ptr + 9)
+        t10 = gl.load(Table_ptr + 10)
+        t11 = gl.load(Table_ptr + 11)
+        t12 = gl.load(Table_ptr + 12)
+        t13 = gl.load(Table_ptr + 13)
+        sq_scale = gl.load(Table_ptr + 14).to(gl.float32, bitcast=True)
+        qk_scale = qk_scale * gl.load(Table_ptr + 15).to(gl.float32, bitcast=True)
+
     # The next tile's words are loaded before this one is computed (a
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
@@ -479,58 +639,24 @@ def _stage1(
                 kf = gl.convert_layout(kf, B_OP, assert_trivial=True)
                 raw = mma_v2(qc, kf, raw)
             else:
-                by = gl.join(
-                    gl.join(kr & 0xFF, (kr >> 8) & 0xFF),
-                    gl.join((kr >> 16) & 0xFF, (kr >> 24) & 0xFF),
-                )  # w n t 1 (b & 1) (b >> 1)
-                by = gl.convert_layout(
-                    by, gl.SliceLayout(6, TABLE), assert_trivial=True
+                sel, pos0, pos1 = _mse_select(kr)
+                ch = _key_operand(
+                    _mse_centroids(sel, pos0, pos1, t0, t1, t2, t3), W, QC
                 )
-                col = gl.arange(
-                    0,
-                    4,
-                    layout=gl.SliceLayout(
-                        0,
-                        gl.SliceLayout(
-                            0,
-                            gl.SliceLayout(
-                                0,
-                                gl.SliceLayout(
-                                    0, gl.SliceLayout(0, gl.SliceLayout(0, TABLE))
-                                ),
-                            ),
-                        ),
-                    ),
-                )
-                for _ in gl.static_range(6):
-                    col = gl.expand_dims(col, 0)
-                ent = gl.load(Table_ptr + gl.expand_dims(by, 6) * 4 + col)
-                e01, e23 = gl.split(gl.reshape(ent, [W, 16, 4, 1, 2, 2, 2, 2]))
-                hi_w, csq_w = gl.split(e01)
-                lo_w, _ = gl.split(e23)
-                h0, h1 = _f16x2(hi_w)
-                l0, l1 = _f16x2(lo_w)
-                # dims w n t wj r1 jb r0 (r1 = b & 1, jb = b >> 1, r0 = nibble);
-                # logical k = r0 + 2 t + 8 r1 + 16 (2 wj + jb)
-                ch = gl.reshape(
-                    gl.permute(gl.join(h0, h1), [0, 3, 5, 4, 2, 6, 1]), [W, QC, 16]
-                )
-                cl = gl.reshape(
-                    gl.permute(gl.join(l0, l1), [0, 3, 5, 4, 2, 6, 1]), [W, QC, 16]
+                cl = _key_operand(
+                    _mse_centroids(sel, pos0, pos1, t4, t5, t6, t7), W, QC
                 )
                 raw = mma_v2(qc, gl.convert_layout(ch, B_OP, assert_trivial=True), raw)
                 raw = mma_v2(qc, gl.convert_layout(cl, B_OP, assert_trivial=True), raw)
                 if NORM_CORRECTION:
-                    cs = csq_w.to(gl.float32, bitcast=True)
-                    cs = gl.sum(
-                        gl.sum(gl.sum(gl.sum(cs, axis=5), axis=4), axis=3), axis=2
-                    )
+                    sq = _mse_squares(sel, t8, t9, t10, t11, t12, t13)
                     if c == 0:
-                        csq = cs
+                        csq = sq
                     else:
-                        csq += cs
-        if NORM_CORRECTION:  # MSE keys only
-            csq_t = gl.convert_layout(gl.sum(csq, axis=0), COL)
+                        csq += sq
+        if NORM_CORRECTION:  # MSE keys only; exact integer sums
+            csq_t = gl.sum(gl.sum(gl.sum(csq, axis=3), axis=2), axis=0)
+            csq_t = gl.convert_layout(csq_t, COL).to(gl.float32) * sq_scale
             factor = factor / gl.sqrt(csq_t + 1e-16)
         s = gl.sum(raw, axis=0)  # across the warps' slices
         s8 = gl.sum(gl.reshape(s, [2, 8, 16]), axis=0)  # head + tail rows
