@@ -116,17 +116,21 @@ def programs_per_sm(registers: int, warps: int, shared: int) -> int:
     )
 
 
-def _ptxas_info(ptx: str, arch: int) -> str:
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) as ``ptxas -v`` reports."""
     ptxas = _triton_tool("ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        return subprocess.run(
+        info = subprocess.run(
             [ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
             capture_output=True,
             text=True,
         ).stderr
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    return registers, spills
 
 
 def compile_stage1(
@@ -188,10 +192,8 @@ def compile_stage1(
             **({"maxnreg": maxnreg} if maxnreg else {}),
         ),
     )
-    info = _ptxas_info(kernel.asm["ptx"], arch)
-    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    registers, spills = _ptxas_usage(kernel.asm["ptx"], arch)
     loop = loop_instructions(kernel.asm["ptx"])
-    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     shared = kernel.metadata.shared
     per_sm = programs_per_sm(registers, num_warps, shared)
     return registers, spills, shared, per_sm, loop * num_warps / block_n
@@ -217,9 +219,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         cfg.norm_correction,
         arch,
     )
-    info = _ptxas_info(kernel.asm["ptx"], arch)
-    registers = int(re.search(r"Used (\d+) registers", info).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    registers, spills = _ptxas_usage(kernel.asm["ptx"], arch)
     shared = kernel.metadata.shared
     warps = kernel.metadata.num_warps
     per_sm = programs_per_sm(registers, warps, shared)

@@ -279,10 +279,16 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     return tuple(outs) if multi else outs[0]
 
 
-def call(helper, *args):
-    """Run a ``gluon.jit`` helper's body on NumPy (its asm on ``ptx``)."""
+def call(helper, *args, rewrite=None):
+    """Run a ``gluon.jit`` helper's body on NumPy (its asm on ``ptx``, after
+    ``rewrite(asm)`` where given: faults injected into the text)."""
     glb = dict(helper.fn.__globals__)
-    glb["gl"] = _language((0, 0, 0))
+    gl = _language((0, 0, 0))
+    if rewrite is not None:
+        gl.inline_asm_elementwise = lambda asm, *a, **k: _inline_asm_elementwise(
+            rewrite(asm), *a, **k
+        )
+    glb["gl"] = gl
     return types.FunctionType(helper.fn.__code__, glb)(*args)
 
 

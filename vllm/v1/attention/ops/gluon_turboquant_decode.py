@@ -220,8 +220,8 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             head = m.half()
             tail = (m - head.double()).half()
             square = c[8:].double() ** 2
-            top = square.max().item()
-            e = 0 if top == 0 else math.frexp((2**SQUARE_BITS - 1) / top)[1] - 1
+            top_sq = square.max().item()
+            e = 0 if top_sq == 0 else math.frexp((2**SQUARE_BITS - 1) / top_sq)[1] - 1
             fixed = torch.round(square * 2.0**e)
             words = (
                 _byte_planes(head.view(torch.int16).int() & 0xFFFF)[:4]
@@ -370,14 +370,21 @@ def _mse_centroids(sel, pos0, pos1, lo0, lo1, hi0, hi1):
 
 
 @gluon.jit
+def _join_nibbles(n):
+    """A word's 8 per-nibble tensors as one, the nibble index i = i0 + 2 i1 +
+    4 i2 in three new trailing dims (i0, i1, i2)."""
+    return gl.join(
+        gl.join(gl.join(n[0], n[1]), gl.join(n[2], n[3])),
+        gl.join(gl.join(n[4], n[5]), gl.join(n[6], n[7])),
+    )
+
+
+@gluon.jit
 def _key_operand(n, W: gl.constexpr, QC: gl.constexpr):
     """A key chunk's 8 nibble values per word as [W, QC, 16 tokens]: joined
     they are dims w n t cw i0 i1 i2 (nibble i = r0 + 2 r1 + 4 jb), and
     logical k = r0 + 2 t + 8 r1 + 16 jb."""
-    k = gl.join(
-        gl.join(gl.join(n[0], n[1]), gl.join(n[2], n[3])),
-        gl.join(gl.join(n[4], n[5]), gl.join(n[6], n[7])),
-    )
+    k = _join_nibbles(n)
     return gl.reshape(gl.permute(k, [0, 3, 6, 5, 2, 4, 1]), [W, QC, 16])
 
 
@@ -675,11 +682,7 @@ def _stage1(
 
         # ---- values: [W, 16 k, 16 words] -> B operand [W, 16 k, _SLICE] ----
         vr = gl.reshape(v_smem.load(VREG), [W, 16, 8, 2])  # w k g wd
-        n0, n1, n2, n3, n4, n5, n6, n7 = _u4x8_to_f16(vr)
-        vv = gl.join(
-            gl.join(gl.join(n0, n1), gl.join(n2, n3)),
-            gl.join(gl.join(n4, n5), gl.join(n6, n7)),
-        )  # w k g wd b0 b1 b2
+        vv = _join_nibbles(_u4x8_to_f16(vr))  # w k g wd b0 b1 b2
         # slice-local logical n = g + 8 (8 wd + nibble)
         vv = gl.reshape(gl.permute(vv, [0, 1, 3, 6, 5, 4, 2]), [W, 16, _SLICE])
         vv = gl.convert_layout(vv, B_OP, assert_trivial=True)
