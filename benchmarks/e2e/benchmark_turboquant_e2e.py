@@ -80,7 +80,9 @@ _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 # Kernel classes of the per-step profile, first match wins (the cache write
 # kernels first: FlashAttention's is named reshape_and_cache_flash). 0.20.2's
 # TurboQuant query rotation is a cuBLAS GEMM (GEMM time above auto's); the
-# in-register one (_tq_rotate_query) counts as attention.
+# in-register one (_tq_rotate_query) counts as attention, as do the Gluon
+# decode stage 1 (named _stage1) and the dequantization of cached K/V that a
+# continuation chunk attends to (_tq_full_dequant_kv).
 KERNEL_CLASSES = [
     (
         "kv_store",
@@ -88,7 +90,11 @@ KERNEL_CLASSES = [
     ),
     (
         "attention",
-        re.compile(r"tq_decode|tq_rotate|_fwd_kernel_stage|flash|fmha|attn", re.I),
+        re.compile(
+            r"tq_decode|tq_rotate|tq_full_dequant|^_stage1$|_fwd_kernel_stage|flash"
+            r"|fmha|attn",
+            re.I,
+        ),
     ),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|matmul", re.I)),
 ]
@@ -211,7 +217,12 @@ def run_child(spec: dict) -> dict:
             )
             if spec.get("profile"):
                 params.max_tokens = min(out_len, PROFILE_STEPS)
-                results[name] = profile_scenario(llm, prompts(n, in_len), params)
+                # Prompts of its own for the profiled pass: the untimed
+                # pass's would come from the prefix cache (a prompt of whole
+                # blocks recomputes only its last token), hiding the prefill.
+                results[name] = profile_scenario(
+                    llm, prompts(n, in_len), prompts(n, in_len), params
+                )
                 print(
                     _PROFILE + json.dumps(dict(scenario=name, **results[name][0])),
                     flush=True,
@@ -259,16 +270,17 @@ def run_child(spec: dict) -> dict:
     return results
 
 
-def profile_scenario(llm, batch, params) -> list[dict]:
-    """One untimed pass, then one under torch.profiler: a step profile, as a
-    list of one (the shape of the timed runs' per-repeat results)."""
+def profile_scenario(llm, untimed, profiled, params) -> list[dict]:
+    """One untimed pass, then one under torch.profiler over other prompts of
+    the same shape: a step profile, as a list of one (the shape of the timed
+    runs' per-repeat results)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    llm.generate(batch, params, use_tqdm=False)
+    llm.generate(untimed, params, use_tqdm=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
+        llm.generate(profiled, params, use_tqdm=False)
         wall = time.perf_counter() - t0
     kernels = [
         (e.name, e.time_range.elapsed_us())

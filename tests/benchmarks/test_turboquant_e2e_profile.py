@@ -27,6 +27,8 @@ def e2e():
     "name, label",
     [
         ("_tq_decode_split_stage1", "attention"),
+        ("_stage1", "attention"),  # the Gluon decode stage 1
+        ("_tq_full_dequant_kv", "attention"),
         ("_tq_decode_split_merge", "attention"),
         ("_fwd_kernel_stage2", "attention"),
         ("_tq_rotate_query", "attention"),

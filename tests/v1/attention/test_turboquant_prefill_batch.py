@@ -1,0 +1,326 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant attends to a step's prefill chunks in one call, without host syncs.
+
+In 0.20.2 one request that continues its prompt (a later chunk of a chunked
+prefill, a prefix-cache hit) sends every prefill request of the step through
+a per-request loop after ``.tolist()`` reads, and a mixed decode/prefill step
+reads the prefill lengths with one more ``.tolist()`` per layer. These tests
+drive the real metadata builder and ``forward`` on such a step: a decode row,
+two first chunks and a continuation. FlashAttention is a float64 stand-in
+that counts its calls.
+
+The cache is written by the real store from K/V that k8v4 holds exactly (FP8
+keys; values on a 1/8 grid whose ends are each head's minimum and maximum),
+so every path, quantized or raw, must match float64 attention over the
+original K/V to fp32 rounding. 4bit_nc's keys are lossy: its continuation
+must match 0.20.2's per-request continuation path. Runs under the Triton CPU
+interpreter (``HYBRIDKV_TRITON_INTERPRET=1``) and natively on a GPU.
+"""
+
+import contextlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends import turboquant_attn
+from vllm.v1.attention.backends.turboquant_attn import (
+    TurboQuantAttentionImpl,
+    TurboQuantMetadataBuilder,
+)
+
+HQ, HK, D, PAGE = 4, 2, 64, 16
+# A decode row, a first chunk, a continuation of 5 tokens after 32 cached
+# ones, and another first chunk.
+Q_LENS, SEQ_LENS = [1, 6, 5, 3], [20, 6, 37, 3]
+TOL = 2e-5  # relative to max |out|: fp32 rounding
+
+
+class FlashStandIn:
+    """``flash_attn_varlen_func(..., causal=True)`` in float64, counted.
+
+    Reads its lengths with ``numpy()``, which the host-sync guard allows: the
+    real kernel reads them on the device."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw
+    ):
+        self.calls += 1
+        qs, ks = cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy()
+        out = torch.empty_like(q)
+        for i in range(len(qs) - 1):
+            a, b, c, d = int(qs[i]), int(qs[i + 1]), int(ks[i]), int(ks[i + 1])
+            out[a:b] = _attention(q[a:b], k[c:d], v[c:d], kw["softmax_scale"])
+        return out
+
+
+def _attention(q, k, v, scale):
+    """float64 causal attention, bottom-right aligned, GQA by repetition."""
+    dtype = q.dtype
+    q, k, v = q.double(), k.double(), v.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    q_len, k_len = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    seen = torch.arange(k_len, device=q.device)[None, :] <= (
+        torch.arange(q_len, device=q.device)[:, None] + k_len - q_len
+    )
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(dtype)
+
+
+@contextlib.contextmanager
+def no_host_sync(monkeypatch):
+    def refuse(self, *a, **k):
+        raise AssertionError("host sync (.tolist()/.item()) in TurboQuant forward")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", refuse)
+        m.setattr(torch.Tensor, "item", refuse)
+        yield
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    stand_in = FlashStandIn()
+    monkeypatch.setattr(turboquant_attn, "_HAS_FLASH_ATTN", True)
+    monkeypatch.setattr(
+        turboquant_attn, "flash_attn_varlen_func", stand_in, raising=False
+    )
+    monkeypatch.setattr(turboquant_attn, "get_flash_attn_version", lambda **kw: 2)
+    return stand_in
+
+
+def _builder(group_tokens: int):
+    config = SimpleNamespace(
+        speculative_config=None,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=8, max_num_batched_tokens=group_tokens
+        ),
+        attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=4),
+    )
+    return TurboQuantMetadataBuilder(
+        kv_cache_spec=None,
+        layer_names=["model.layers.0.self_attn.attn"],
+        vllm_config=config,
+        device=torch.device("cpu"),
+    )
+
+
+def _slots(table, starts, ends):
+    slots = []
+    for row, (a, b) in enumerate(zip(starts, ends)):
+        pos = torch.arange(a, b, device=table.device)
+        slots.append(table[row, pos // PAGE].long() * PAGE + pos % PAGE)
+    return torch.cat(slots)
+
+
+def _step(table, device):
+    """The runner's metadata for the step, host copies included."""
+    cu = torch.tensor([0, *Q_LENS]).cumsum(0).to(torch.int32)
+    seq = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    starts = [s - q for q, s in zip(Q_LENS, SEQ_LENS)]
+    return CommonAttentionMetadata(
+        query_start_loc=cu.to(device),
+        query_start_loc_cpu=cu,
+        seq_lens=seq.to(device),
+        num_reqs=len(Q_LENS),
+        num_actual_tokens=sum(Q_LENS),
+        max_query_len=max(Q_LENS),
+        max_seq_len=max(SEQ_LENS),
+        block_table_tensor=table,
+        slot_mapping=_slots(table, starts, SEQ_LENS),
+        seq_lens_cpu_upper_bound=seq,
+    )
+
+
+def _exact_kv(n, device):
+    """K in FP8 exactly; V on a 1/8 grid from -1 to 7/8 per head, both ends
+    present, so k8v4's store and dequantization are lossless."""
+    k = torch.randint(-8, 9, (n, HK, D)).float() / 4
+    idx = torch.randint(0, 16, (n, HK, D))
+    idx[..., 0], idx[..., 1] = 0, 15
+    return k.to(device), (idx.float() / 8 - 1).to(device)
+
+
+def _run(preset, device, monkeypatch, group_tokens=64):
+    """One mixed step through the builder and forward; returns the inputs and
+    the output [tokens, HQ, D]."""
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
+    cfg = impl.tq_config
+    layer = torch.nn.Module()
+    layer._tq_centroids = get_centroids(D, cfg.centroid_bits).to(device)
+    pages = [math.ceil(s / PAGE) for s in SEQ_LENS]
+    cache = torch.zeros(
+        sum(pages) + 1, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8
+    ).to(device)
+    # Each request on its own pages, in reverse order.
+    table = torch.zeros(len(SEQ_LENS), max(pages), dtype=torch.int32)
+    free = list(range(sum(pages), 0, -1))
+    for row, n in enumerate(pages):
+        table[row, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+    table = table.to(device)
+
+    # Every request's whole sequence, stored as the earlier steps and this
+    # step's cache update would have.
+    seqs = [_exact_kv(s, device) for s in SEQ_LENS]
+    k_all = torch.cat([k for k, _ in seqs])
+    v_all = torch.cat([v for _, v in seqs])
+    impl._ensure_on_device(layer, torch.device(device))
+    impl.do_kv_cache_update(
+        layer, k_all, v_all, cache, _slots(table, [0] * 4, SEQ_LENS)
+    )
+
+    meta = _builder(group_tokens).build(0, _step(table, device))
+    k_new = torch.cat([k[s - q :] for (k, _), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
+    v_new = torch.cat([v[s - q :] for (_, v), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
+    q = torch.randn(sum(Q_LENS), HQ, D, device=device)
+    with no_host_sync(monkeypatch):
+        out = impl.forward(
+            layer,
+            q.view(-1, HQ * D),
+            k_new.view(-1, HK * D),
+            v_new.view(-1, HK * D),
+            cache,
+            meta,
+            output=torch.full((sum(Q_LENS), HQ * D), float("nan"), device=device),
+        )
+    return SimpleNamespace(
+        impl=impl, layer=layer, cache=cache, table=table, seqs=seqs, q=q,
+        k_new=k_new, v_new=v_new, out=out.view(-1, HQ, D),
+    )  # fmt: skip
+
+
+def _error(run) -> float:
+    """max |out - float64 attention over the original K/V| / max |ref|."""
+    refs, start = [], 0
+    for (k, v), q_len in zip(run.seqs, Q_LENS):
+        refs.append(_attention(run.q[start : start + q_len], k, v, D**-0.5))
+        start += q_len
+    ref = torch.cat(refs).double()
+    return ((run.out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_a_step_with_a_continuation_is_one_attention_call(
+    triton_device, flash, monkeypatch
+):
+    run = _run("turboquant_k8v4", triton_device, monkeypatch)
+    assert flash.calls == 1, f"{flash.calls} FlashAttention calls for 3 prefills"
+    assert _error(run) < TOL
+
+
+def test_groups_bound_the_packed_kv(triton_device, flash, monkeypatch):
+    """A token budget smaller than any request: one call per request, the
+    same result."""
+    run = _run("turboquant_k8v4", triton_device, monkeypatch, group_tokens=2)
+    assert flash.calls == 3
+    assert _error(run) < TOL
+
+
+@pytest.mark.parametrize(
+    "fault", ["chunk rows one row late", "cached tokens not dequantized"]
+)
+def test_a_misplaced_row_turns_the_check_red(fault, triton_device, flash, monkeypatch):
+    from vllm.v1.attention.backends import turboquant_prefill_batch as batch
+
+    plan = batch.plan_prefill_batch
+
+    def faulty(*args):
+        planned = plan(*args)
+        for g in planned.groups:
+            if g.packed is not None and fault == "chunk rows one row late":
+                rows = g.packed.chunk_rows
+                g.packed.chunk_rows = torch.minimum(rows + 1, rows.max())
+        return planned
+
+    monkeypatch.setattr(turboquant_attn, "plan_prefill_batch", faulty)
+    if fault == "cached tokens not dequantized":
+        monkeypatch.setattr(
+            batch,
+            "_dequantize_cached",
+            lambda impl, kv, row, cached, *a: (
+                torch.zeros(cached, HK, D, device=kv.device),
+            )
+            * 2,
+        )
+    # Rows the fault leaves unwritten hold whatever the allocator had: NaN
+    # counts as red.
+    err = _error(_run("turboquant_k8v4", triton_device, monkeypatch))
+    assert math.isnan(err) or err > 100 * TOL, err
+
+
+def test_mse_continuation_matches_the_per_request_path(
+    triton_device, flash, monkeypatch
+):
+    """4bit_nc: the batched continuation equals 0.20.2's per-request
+    dequantize + FlashAttention path (keys rotated back by a GEMM there, by
+    the in-register Hadamard transform here; fp16 rounding of the rotated
+    keys may differ by one ulp)."""
+    run = _run("turboquant_4bit_nc", triton_device, monkeypatch)
+    assert flash.calls == 1
+    cont = 2
+    start = sum(Q_LENS[:cont])
+    q_len, seq = Q_LENS[cont], SEQ_LENS[cont]
+    k, v = run.seqs[cont]
+    ref = run.impl._continuation_prefill(
+        run.layer,
+        run.q[start : start + q_len],
+        k[seq - q_len :],
+        v[seq - q_len :],
+        run.cache,
+        run.table[cont : cont + 1],
+        seq - q_len,
+        seq,
+        run.layer._tq_Pi,
+        run.layer._tq_centroids,
+    )
+    got = run.out[start : start + q_len]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    # First chunks attend to their raw K/V: exact.
+    first = run.out[1:7].double()
+    want = _attention(run.q[1:7], *run.seqs[1], D**-0.5).double()
+    assert ((first - want).abs().max() / want.abs().max()).item() < TOL
+
+
+def test_the_plan_names_a_batch_that_is_not_decodes_first():
+    from vllm.v1.attention.backends.turboquant_prefill_batch import plan_prefill_batch
+
+    cam = _step(torch.zeros(4, 3, dtype=torch.int32), "cpu")
+    with pytest.raises(ValueError, match="must follow the 2 decode tokens"):
+        plan_prefill_batch(cam, num_decodes=1, num_decode_tokens=2, group_tokens=64)
+    with pytest.raises(ValueError, match="positive token budget"):
+        plan_prefill_batch(cam, num_decodes=1, num_decode_tokens=1, group_tokens=0)
+
+
+def test_the_first_forward_compiles_the_continuation_kernels_once(
+    triton_device, flash, monkeypatch
+):
+    """The engine's warm-up runs meet only decode and first-chunk batches; the
+    continuation's kernels are compiled there, not at the first request that
+    continues its prompt."""
+    from vllm.v1.attention.backends import turboquant_prefill_batch as batch
+
+    dequantize, calls = batch._dequantize_cached, []
+
+    def recorded(impl, kv_cache, block_row, cached, *args):
+        calls.append((block_row.cpu().numpy().tolist(), cached))
+        return dequantize(impl, kv_cache, block_row, cached, *args)
+
+    monkeypatch.setattr(batch, "_dequantize_cached", recorded)
+    run = _run("turboquant_4bit_nc", triton_device, monkeypatch)
+    # The step's continuation, after one token of the null block.
+    assert [cached for _, cached in calls] == [1, SEQ_LENS[2] - Q_LENS[2]]
+    assert calls[0][0] == [[0] * 4]  # the table width (3) rounded up to 4
+    assert run.layer._tq_continuation_warm

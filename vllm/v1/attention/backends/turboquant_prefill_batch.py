@@ -1,0 +1,348 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""TurboQuant prefill chunks: one attention call per batch, no host syncs.
+
+0.20.2's TurboQuant backend runs FlashAttention once over a prefill batch only
+when no request in it has cached context. As soon as one request continues a
+prompt (a chunked prefill's later chunk, a prefix-cache hit), every prefill
+request of the step is computed on its own: a FlashAttention call per first
+chunk, a decode-kernel call or a dequantize + GEMM + FlashAttention per
+continuation, after ``.tolist()`` reads of the batch's lengths, and in mixed
+decode/prefill batches one more ``.tolist()`` per layer. On a busy server
+nearly every step is such a step: TTFT and the decode rows sharing the step
+pay for the host round trips and launches, layer after layer.
+
+Here the builder plans the prefill part once per step from the host copies
+of the lengths the model runner already has. Each group of requests then
+takes one FlashAttention call over packed K/V: a continuation's cached tokens
+dequantized from the TurboQuant cache (0.20.2's ``_tq_full_dequant_kv``,
+keys rotated back), followed by the chunk's own raw K/V, as 0.20.2's long
+continuation path does per request. Groups keep the packed K/V near the size
+of the scheduler's token budget, which the startup memory profile covers; a
+single request longer than that is a group of its own.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm.triton_utils import triton
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.ops.triton_turboquant_decode import (
+    _tq_full_dequant_kv,
+    _use_fp8_e4b15,
+)
+from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
+    is_backend_hadamard,
+    rotate_query,
+)
+from vllm.v1.attention.ops.turboquant_prefill import sdpa_varlen_causal
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A request of a group whose first ``cached`` tokens are in the cache."""
+
+    request: int  # index among the batch's prefill requests
+    cached: int
+    row: int  # its first row in the group's packed K/V
+    block_row: torch.Tensor  # its block table row (aligned_block_row)
+
+
+@dataclass
+class PackedKV:
+    """Where a group's K/V come from when a request has cached context."""
+
+    continuations: tuple[Continuation, ...]
+    tokens: int  # rows of the packed K/V: the group's summed seq_lens
+    cu_seqlens_k: torch.Tensor  # [requests + 1] int32
+    chunk_rows: torch.Tensor  # [group tokens] int64: packed row of each chunk token
+
+
+@dataclass
+class PrefillGroup:
+    """Consecutive prefill requests attended to by one varlen call.
+
+    Request and token offsets count from the batch's first prefill request.
+    Without ``packed`` no request has cached context, and the chunk's own K/V
+    are all the keys.
+    """
+
+    req_start: int
+    req_end: int
+    tok_start: int
+    tok_end: int
+    max_query_len: int
+    max_seq_len: int
+    cu_seqlens_q: torch.Tensor  # [requests + 1] int32, from 0
+    packed: PackedKV | None = None
+
+
+@dataclass
+class PrefillBatch:
+    groups: tuple[PrefillGroup, ...]
+    max_seq_len: int  # over the prefill requests; exact
+
+
+def aligned_block_row(block_table: torch.Tensor, row: int) -> torch.Tensor:
+    """A copy of one block table row, [1, W rounded up to 4] int32.
+
+    Triton specializes a pointer argument on 16-byte alignment, and a row
+    sliced out of the block table is aligned or not depending on its index:
+    the dequantization kernel would compile a second variant at the first
+    unaligned row, while serving. A fresh allocation is always aligned.
+    """
+    width = block_table.shape[1]
+    out = block_table.new_zeros(1, -(-width // 4) * 4)
+    out[:, :width] = block_table[row : row + 1]
+    return out
+
+
+def _host_seq_lens(cam: CommonAttentionMetadata) -> torch.Tensor:
+    # The model runner hands builders host copies of seq_lens: the upper
+    # bound is exact for prefill rows, the only ones read here. A caller
+    # that passed neither pays for a copy.
+    host = cam.seq_lens_cpu_upper_bound
+    if host is None:
+        host = cam._seq_lens_cpu
+    if host is None:
+        host = cam.seq_lens.cpu()
+    return host[: cam.num_reqs]
+
+
+def plan_prefill_batch(
+    cam: CommonAttentionMetadata,
+    num_decodes: int,
+    num_decode_tokens: int,
+    group_tokens: int,
+) -> PrefillBatch | None:
+    """The prefill part of a batch (requests past ``num_decodes``), grouped so
+    that each group's packed K/V holds at most ``group_tokens`` tokens (or one
+    request). None when the batch has no prefill request."""
+    num_reqs = cam.num_reqs
+    if num_decodes >= num_reqs:
+        return None
+    if group_tokens <= 0:
+        raise ValueError(
+            f"TurboQuant prefill groups need a positive token budget, got "
+            f"{group_tokens}; pass the scheduler's max_num_batched_tokens"
+        )
+    qsl = cam.query_start_loc_cpu[: num_reqs + 1].tolist()
+    seq_lens = _host_seq_lens(cam).tolist()
+    base_tok = qsl[num_decodes]
+    if base_tok != num_decode_tokens:
+        raise ValueError(
+            f"TurboQuant prefill rows must follow the {num_decode_tokens} decode "
+            f"tokens, but the first prefill request starts at token {base_tok}; "
+            "the batch was not reordered decodes-first"
+        )
+
+    # Consecutive requests while their K/V fit the budget.
+    bounds: list[tuple[int, int]] = []
+    start, tokens = num_decodes, 0
+    for i in range(num_decodes, num_reqs):
+        if i > start and tokens + seq_lens[i] > group_tokens:
+            bounds.append((start, i))
+            start, tokens = i, 0
+        tokens += seq_lens[i]
+    bounds.append((start, num_reqs))
+
+    groups = []
+    for a, b in bounds:
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(a, b)]
+        lens = seq_lens[a:b]
+        cu_q = cam.query_start_loc[a : b + 1] - qsl[a]
+        group = PrefillGroup(
+            req_start=a - num_decodes,
+            req_end=b - num_decodes,
+            tok_start=qsl[a] - base_tok,
+            tok_end=qsl[b] - base_tok,
+            max_query_len=max(q_lens),
+            max_seq_len=max(lens),
+            cu_seqlens_q=cu_q,
+        )
+        if any(s > q for s, q in zip(lens, q_lens)):
+            continuations, row = [], 0
+            for i, (s, q) in enumerate(zip(lens, q_lens)):
+                if s > q:
+                    table_row = aligned_block_row(cam.block_table_tensor, a + i)
+                    continuations.append(
+                        Continuation(a + i - num_decodes, s - q, row, table_row)
+                    )
+                row += s
+            # Device-side: the packed rows of each chunk token are its query
+            # offset shifted by its request's (cu_k - cu_q) at the request end.
+            seq = cam.seq_lens[a:b].to(torch.int32)
+            cu_k = torch.nn.functional.pad(seq.cumsum(0, dtype=torch.int32), (1, 0))
+            shift = (cu_k[1:] - cu_q[1:]).to(torch.int64)
+            n_tok = group.tok_end - group.tok_start
+            q_len_dev = cu_q[1:] - cu_q[:-1]
+            group.packed = PackedKV(
+                continuations=tuple(continuations),
+                tokens=row,
+                cu_seqlens_k=cu_k,
+                chunk_rows=torch.arange(n_tok, device=cu_q.device)
+                + torch.repeat_interleave(shift, q_len_dev, output_size=n_tok),
+            )
+        groups.append(group)
+    return PrefillBatch(
+        groups=tuple(groups), max_seq_len=max(seq_lens[num_decodes:num_reqs])
+    )
+
+
+def _dequantize_cached(
+    impl,
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, Hk, slot] uint8
+    block_row: torch.Tensor,  # [1, max_blocks]
+    cached: int,
+    Pi: torch.Tensor,
+    centroids: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a request's first ``cached`` tokens: [cached, Hk, D] each.
+
+    0.20.2's dequantization kernel (fp16 out), written token-major; MSE keys
+    are rotated back to the model's space as 0.20.2 does (``k @ Pi``).
+    """
+    Hk, D = kv_cache.shape[2], impl.head_size
+    cfg = impl.tq_config
+    k16 = torch.empty(cached, Hk, D, dtype=torch.float16, device=kv_cache.device)
+    v16 = torch.empty_like(k16)
+    _tq_full_dequant_kv[(cached, Hk)](
+        kv_cache,
+        block_row,
+        centroids,
+        k16,
+        v16,
+        0,
+        k16.stride(1),
+        k16.stride(0),
+        0,
+        v16.stride(1),
+        v16.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_row.stride(0),
+        HEAD_DIM=D,
+        BLOCK_SIZE=kv_cache.shape[1],
+        NUM_KV_HEADS=Hk,
+        MSE_BYTES=impl._mse_bytes,
+        KPS=cfg.key_packed_size,
+        VQB=cfg.effective_value_quant_bits,
+        VAL_DATA_BYTES=impl._val_data_bytes,
+        MSE_BITS=cfg.key_mse_bits,
+        KEY_FP8=1 if cfg.key_fp8 else 0,
+        BLOCK_D=triton.next_power_of_2(D),
+        NORM_CORRECTION=1 if cfg.norm_correction else 0,
+        FP8_E4B15=_use_fp8_e4b15(kv_cache.device.index or 0),
+        num_warps=4,
+    )
+    if cfg.key_fp8:
+        keys = k16
+    elif is_backend_hadamard(Pi):
+        # The backend's Pi is its symmetric scaled Hadamard matrix, so
+        # k @ Pi is the in-register transform of the query rotation.
+        keys = rotate_query(k16, Pi).to(torch.float16)
+    else:
+        keys = (k16.reshape(-1, D).float() @ Pi).to(torch.float16).view_as(k16)
+    return keys.to(dtype), v16.to(dtype)
+
+
+def warm_continuation_kernels(
+    impl,
+    layer,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    Pi: torch.Tensor,
+    centroids: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    """Compile the continuation path's kernels at a layer's first forward.
+
+    The engine's warm-up runs (before CUDA graph capture) only see decode
+    and first-chunk batches, so without this the first continuation a server
+    meets compiles the dequantization (and, for MSE keys, the rotation) while
+    every request of the step waits. One token of block 0 (vLLM's reserved
+    null block) is dequantized, with the argument shapes, strides and
+    alignments of serving.
+    """
+    if getattr(layer, "_tq_continuation_warm", False) or kv_cache.numel() == 0:
+        return
+    # Triton runs on CPU tensors only under its interpreter (tests), where
+    # there is nothing to compile.
+    if kv_cache.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    row = torch.zeros_like(block_table[:1])
+    _dequantize_cached(
+        impl, kv_cache, aligned_block_row(row, 0), 1, Pi, centroids, dtype
+    )
+    layer._tq_continuation_warm = True
+
+
+def prefill_attention(
+    impl,
+    query: torch.Tensor,  # [prefill tokens, Hq, D]
+    key: torch.Tensor,  # [prefill tokens, Hk, D]
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PrefillBatch,
+    Pi: torch.Tensor,
+    centroids: torch.Tensor,
+    has_flash_attn: bool,
+) -> torch.Tensor:
+    """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D].
+
+    ``impl`` is the layer's ``TurboQuantAttentionImpl``: its varlen
+    FlashAttention call where FlashAttention is installed, else SDPA with the
+    same bottom-right-aligned causal mask.
+    """
+    attend: Callable[..., torch.Tensor]
+    if has_flash_attn:
+        attend = impl._flash_attn_varlen
+    else:
+
+        def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            return sdpa_varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale)
+
+    outs = []
+    for g in batch.groups:
+        q = query[g.tok_start : g.tok_end]
+        k = key[g.tok_start : g.tok_end]
+        v = value[g.tok_start : g.tok_end]
+        cu_k, max_k = g.cu_seqlens_q, g.max_query_len
+        p = g.packed
+        if p is not None:
+            k_all = k.new_empty(p.tokens, k.shape[1], k.shape[2])
+            v_all = v.new_empty(p.tokens, v.shape[1], v.shape[2])
+            for c in p.continuations:
+                ck, cv = _dequantize_cached(
+                    impl,
+                    kv_cache,
+                    c.block_row,
+                    c.cached,
+                    Pi,
+                    centroids,
+                    k.dtype,
+                )
+                k_all[c.row : c.row + c.cached] = ck
+                v_all[c.row : c.row + c.cached] = cv
+            k_all.index_copy_(0, p.chunk_rows, k)
+            v_all.index_copy_(0, p.chunk_rows, v)
+            k, v, cu_k, max_k = k_all, v_all, p.cu_seqlens_k, g.max_seq_len
+        outs.append(
+            attend(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=g.cu_seqlens_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=g.max_query_len,
+                max_seqlen_k=max_k,
+            )
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
