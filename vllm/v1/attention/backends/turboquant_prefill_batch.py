@@ -38,14 +38,13 @@ from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
     is_backend_hadamard,
     rotate_query,
 )
-from vllm.v1.attention.ops.turboquant_prefill import sdpa_varlen_causal
+from vllm.v1.attention.ops.turboquant_prefill import sdpa_prefill
 
 
 @dataclass(frozen=True)
 class Continuation:
     """A request of a group whose first ``cached`` tokens are in the cache."""
 
-    request: int  # index among the batch's prefill requests
     cached: int
     row: int  # its first row in the group's packed K/V
     block_row: torch.Tensor  # its block table row (aligned_block_row)
@@ -65,13 +64,11 @@ class PackedKV:
 class PrefillGroup:
     """Consecutive prefill requests attended to by one varlen call.
 
-    Request and token offsets count from the batch's first prefill request.
+    Token offsets count from the batch's first prefill token.
     Without ``packed`` no request has cached context, and the chunk's own K/V
     are all the keys.
     """
 
-    req_start: int
-    req_end: int
     tok_start: int
     tok_end: int
     max_query_len: int
@@ -101,12 +98,10 @@ def aligned_block_row(block_table: torch.Tensor, row: int) -> torch.Tensor:
 
 
 def _host_seq_lens(cam: CommonAttentionMetadata) -> torch.Tensor:
-    # The model runner hands builders host copies of seq_lens: the upper
+    # The model runner hands builders a host copy of seq_lens whose upper
     # bound is exact for prefill rows, the only ones read here. A caller
-    # that passed neither pays for a copy.
+    # that passed none pays for a copy.
     host = cam.seq_lens_cpu_upper_bound
-    if host is None:
-        host = cam._seq_lens_cpu
     if host is None:
         host = cam.seq_lens.cpu()
     return host[: cam.num_reqs]
@@ -155,8 +150,6 @@ def plan_prefill_batch(
         lens = seq_lens[a:b]
         cu_q = cam.query_start_loc[a : b + 1] - qsl[a]
         group = PrefillGroup(
-            req_start=a - num_decodes,
-            req_end=b - num_decodes,
             tok_start=qsl[a] - base_tok,
             tok_end=qsl[b] - base_tok,
             max_query_len=max(q_lens),
@@ -168,9 +161,7 @@ def plan_prefill_batch(
             for i, (s, q) in enumerate(zip(lens, q_lens)):
                 if s > q:
                     table_row = aligned_block_row(cam.block_table_tensor, a + i)
-                    continuations.append(
-                        Continuation(a + i - num_decodes, s - q, row, table_row)
-                    )
+                    continuations.append(Continuation(s - q, row, table_row))
                 row += s
             # Device-side: the packed rows of each chunk token are its query
             # offset shifted by its request's (cu_k - cu_q) at the request end.
@@ -301,14 +292,9 @@ def prefill_attention(
     FlashAttention call where FlashAttention is installed, else SDPA with the
     same bottom-right-aligned causal mask.
     """
-    attend: Callable[..., torch.Tensor]
-    if has_flash_attn:
-        attend = impl._flash_attn_varlen
-    else:
-
-        def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-            return sdpa_varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale)
-
+    attend: Callable[..., torch.Tensor] = (
+        impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
+    )
     outs = []
     for g in batch.groups:
         q = query[g.tok_start : g.tok_end]

@@ -82,6 +82,15 @@ def sdpa_varlen_causal(
     return out
 
 
+def sdpa_prefill(impl: Any):
+    """``sdpa_varlen_causal`` with ``impl._flash_attn_varlen``'s signature."""
+
+    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return sdpa_varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale)
+
+    return prefill
+
+
 def select_prefill_attention(impl: Any, head_size: int):
     """The varlen prefill callable for a TurboQuant layer.
 
@@ -96,8 +105,4 @@ def select_prefill_attention(impl: Any, head_size: int):
         head_size,
         impl.fa_version,
     )
-
-    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return sdpa_varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale)
-
-    return prefill
+    return sdpa_prefill(impl)
