@@ -218,6 +218,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         cfg.key_packed_size,
         cfg.norm_correction,
         arch,
+        value_bits=cfg.value_quant_bits,
     )
     registers, spills = _ptxas_usage(kernel.asm["ptx"], arch)
     shared = kernel.metadata.shared

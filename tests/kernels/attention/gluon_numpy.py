@@ -218,6 +218,10 @@ _OPS = {
     "shr.b32": lambda a, b: (a & _M32) >> b,
     "shl.b32": lambda a, b: a << b,
     "and.b32": lambda a, b: a & b,
+    "add.u32": lambda a, b: a + b,
+    # (b:a) >> min(c, 32), the low 32 bits
+    "shf.r.clamp.b32": lambda a, b, c: ((a & _M32) | ((b & _M32) << 32))
+    >> np.minimum(c, 32),
     "mul.lo.u32": lambda a, b: a * b,
     "mad.lo.u32": lambda a, b, c: a * b + c,
     "lop3.b32": _lop3,
@@ -279,10 +283,18 @@ def _inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
     return tuple(outs) if multi else outs[0]
 
 
+def _values(globals_: dict) -> dict:
+    """A kernel's globals with its ``gl.constexpr`` constants as their values."""
+    return {
+        name: obj.value if isinstance(obj, constexpr) else obj
+        for name, obj in globals_.items()
+    }
+
+
 def call(helper, *args, rewrite=None):
     """Run a ``gluon.jit`` helper's body on NumPy (its asm on ``ptx``, after
     ``rewrite(asm)`` where given: faults injected into the text)."""
-    glb = dict(helper.fn.__globals__)
+    glb = _values(helper.fn.__globals__)
     gl = _language((0, 0, 0))
     if rewrite is not None:
         gl.inline_asm_elementwise = lambda asm, *a, **k: _inline_asm_elementwise(
@@ -325,12 +337,7 @@ def runner(models=None):
         for s in range(grid[0]):
             for h in range(grid[1]):
                 for r in range(grid[2]):
-                    glb = {
-                        name: getattr(obj, "value", obj)
-                        if isinstance(obj, constexpr)
-                        else obj
-                        for name, obj in fn.__globals__.items()
-                    }
+                    glb = _values(fn.__globals__)
                     glb["gl"] = _language((s, h, r))
                     for name, obj in list(glb.items()):
                         body = getattr(obj, "fn", None)

@@ -26,6 +26,7 @@ import torch
 
 from tests.kernels.attention import gluon_numpy
 from tests.kernels.attention.test_turboquant_decode_splitkv import (
+    PRESETS,
     TOL,
     _call,
     _filled_cache,
@@ -71,6 +72,12 @@ CASES = [
     ("turboquant_4bit_nc", 256, 8, [33, 2], 3),
     ("turboquant_k8v4", 512, 8, [17], 2),
     ("turboquant_4bit_nc", 512, 2, [40], 1),
+    ("turboquant_k3v4_nc", 128, 4, [0, 1, 19, 45, 70], None),
+    ("turboquant_k3v4_nc", 256, 6, [33, 2], 3),
+    ("turboquant_k3v4_nc", 512, 8, [17], 1),
+    ("turboquant_3bit_nc", 128, 6, [0, 1, 19, 45, 70], None),
+    ("turboquant_3bit_nc", 256, 4, [33, 2], 3),
+    ("turboquant_3bit_nc", 512, 2, [40], 1),
 ]
 
 
@@ -126,6 +133,8 @@ def test_a_small_batch_splits_into_the_spare_scratch_rows(
         "key byte order",
         "MSE key tails unsigned",
         "MSE key squares' top plane dropped",
+        "3-bit key codes one bit late",
+        "3-bit value codes one bit late",
     ],
 )
 def test_a_fault_in_the_unpacking_turns_the_check_red(
@@ -137,7 +146,22 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
     top byte plane."""
     models = dict(gluon_numpy.MODELS)
     preset = "turboquant_4bit_nc"
-    if fault.startswith("MSE"):
+    if fault.startswith("3-bit"):
+        keys = "key" in fault
+        helper = gluon_decode._spread3
+
+        def late(asm):
+            if (asm == gluon_decode._MSE3_SPREAD.value) != keys:
+                return asm  # the other field's spread
+            wrong = asm.replace("$4, $5, 24;", "$4, $5, 25;")
+            assert wrong != asm
+            return wrong
+
+        models[helper.fn.__name__] = lambda *args: gluon_numpy.call(
+            helper, *args, rewrite=late
+        )
+        preset = "turboquant_k3v4_nc" if keys else "turboquant_3bit_nc"
+    elif fault.startswith("MSE"):
         helper = (
             gluon_decode._mse_centroids
             if "tails" in fault
@@ -234,9 +258,42 @@ def test_key_table_decodes_every_nibble(monkeypatch, head_dim):
     assert np.abs(sums - want).max() <= 2**-21 * want.max()
 
 
+@pytest.mark.parametrize(("asm", "bias"), [("_MSE3_SPREAD", 4), ("_U3_SPREAD", 0)])
+def test_3bit_codes_spread_to_nibbles(asm, bias):
+    """Code i of a 96-bit group (bit 3 i, across word boundaries at codes 10
+    and 21) becomes nibble i of the 4-bit words: plus 4 for keys (the 4-bit
+    lookup's sign bit and magnitude for 8 symmetric centroids), as is for
+    values. Through the kernel's asm on ``gluon_numpy.ptx``."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 8, size=(64, 32))
+    bits = sum(codes[:, i].astype(object) << (3 * i) for i in range(32))
+    words = np.array([[(b >> (32 * k)) & 0xFFFFFFFF for k in range(3)] for b in bits])
+    w = np.where(words >= 2**31, words - 2**32, words).astype(np.int32)
+    asm = getattr(gluon_decode, asm).value
+    out = gluon_numpy.call(gluon_decode._spread3, w[:, 0], w[:, 1], w[:, 2], asm)
+    got = np.stack([np.asarray(o).astype(np.int64) & 0xFFFFFFFF for o in out], -1)
+    nibbles = (got[:, :, None] >> (4 * np.arange(8))) & 15  # [64, 4 words, 8]
+    assert np.array_equal(nibbles.reshape(64, 32), codes + bias)
+
+
+def test_key_table_decodes_every_3bit_code(monkeypatch):
+    """3-bit keys (turboquant_k3v4_nc): the table of 8 symmetric centroids,
+    read through the 4-bit lookup at nibble code + 4, gives each centroid to
+    2**-22 of the largest."""
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_k3v4_nc", 128)
+    centroids = _tables(cfg, 128, "cpu")[0]
+    assert centroids.shape == (8,)
+    table = gluon_decode.key_table(centroids)
+    assert table is not None
+    got = _decode_table(table)[1]
+    c = centroids.double().numpy()
+    assert np.abs(got[4:12] - c).max() <= 2**-22 * np.abs(c).max()
+
+
 def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
-    """The lookup reads 8 magnitudes and a sign: centroids that are not 16
-    and symmetric get no table, so decode_attention keeps the Triton stage 1
+    """The lookup reads 8 magnitudes and a sign: centroids that are not 8 or
+    16 and symmetric get no table, so decode_attention keeps the Triton stage 1
     (exact for any centroids) rather than a wrong one, and says so once."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
     _print_info_once.cache_clear()
@@ -248,7 +305,8 @@ def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
         assert gluon_decode.key_table(shifted) is None
     assert "symmetric about 0" in caplog_vllm.text
     assert "the Triton stage 1 serves them" in caplog_vllm.text
-    assert gluon_decode.key_table(c[:8].clone()) is None
+    assert gluon_decode.key_table(c[:8].clone()) is None  # 8, not symmetric
+    assert gluon_decode.key_table(c[:4].clone()) is None  # 4
     assert gluon_decode.key_table(c.clone()) is not None
 
 
@@ -305,8 +363,10 @@ def test_key_table_is_rebuilt_for_other_centroids_at_the_same_address(monkeypatc
         ((64, 4, 16, True, 0, 4), False),  # less than one warp's slice
         ((384, 4, 16, True, 0, 4), False),  # three warps
         ((128, 4, 24, True, 0, 4), False),  # pages of 24 tokens
-        ((128, 4, 16, False, 3, 4), False),  # 3-bit keys
-        ((128, 4, 16, False, 4, 3), False),  # 3-bit values
+        ((128, 4, 16, False, 3, 4), True),  # 3-bit keys
+        ((128, 4, 16, False, 4, 3), True),  # 3-bit values
+        ((128, 4, 16, False, 3, 3), True),  # 3-bit keys and values
+        ((128, 4, 16, False, 4, 2), False),  # 2-bit values
         ((128, 12, 16, True, 0, 4), False),  # more than 8 heads per KV head
     ],
 )
@@ -317,7 +377,6 @@ def test_what_the_gluon_stage1_serves(layout, served):
 def test_decode_keeps_the_triton_stage1_where_gluon_does_not_serve(
     triton_interpret, gluon_on_numpy
 ):
-    _run(triton_interpret, "turboquant_3bit_nc", 128, 4, [19, 45])  # 3-bit keys
     _run(
         triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], splits=2, pad_bytes=97
     )  # odd page size: byte loads
@@ -352,7 +411,7 @@ def test_query_chunk_rows_fall_in_distinct_banks(key_fp8):
             )
 
 
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(("head_dim", "gqa"), [(128, 4), (256, 6), (512, 8)])
 def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
     """What the NumPy run cannot see: the kernel compiles for sm_90 (no GPU
@@ -370,6 +429,7 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
         cfg.key_mse_bits,
         cfg.key_packed_size,
         cfg.norm_correction,
+        value_bits=cfg.value_quant_bits,
     )
     assert kernel.metadata.num_warps == head_dim // 128
     assert "mma.sync" in kernel.asm["ptx"]
@@ -379,7 +439,7 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(
     "shape",
     [(32, 8, 128, [1, 700, 8192, 0]), (24, 4, 256, [33, 8192, 0])],

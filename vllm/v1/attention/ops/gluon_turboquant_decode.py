@@ -27,6 +27,9 @@ value crosses threads:
   and tails as byte planes and their squares in 22-bit fixed point (norm
   correction, summed exactly by ``dp4a``). A 256-entry table in global
   memory, gathered per key byte, kept L1 at ~80 % of its peak (release 12).
+  3-bit MSE keys (``turboquant_k3v4_nc``) are spread to those 4-bit words
+  as they go to shared memory: code n becomes nibble n + 4, so their 8
+  symmetric centroids are magnitudes 0-3 of the same lookup.
   4-bit values are ``(n | 0x6400) - 1024`` in f16x2 (exact).
 - The score tile's accumulator layout is the fp16 A-operand layout, so ``p``
   stays in registers between the two dots.
@@ -78,8 +81,8 @@ def serves(
         and head_dim // SLICE in (1, 2, 4)
         and 1 <= group <= 8
         and page % TILE == 0
-        and value_quant_bits == 4
-        and (key_fp8 or mse_bits == 4)
+        and value_quant_bits in (3, 4)
+        and (key_fp8 or mse_bits in (3, 4))
     )
 
 
@@ -91,20 +94,41 @@ def _warp_bases(warps: int, rank: int) -> list[list[int]]:
     return [[1 << i] + [0] * (rank - 1) for i in range(_log2(warps))]
 
 
-def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
+def launch_config(
+    head_dim: int,
+    key_fp8: bool,
+    word32: bool,
+    mse_bits: int = 4,
+    value_bits: int = 4,
+) -> dict:
     """The layouts and sizes ``_stage1`` takes as constexpr arguments."""
     W = head_dim // SLICE
     mma = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8]
     )
+    mse3 = not key_fp8 and mse_bits == 3
+    v3 = value_bits == 3
+    if (mse3 or v3) and word32:
+        raise ValueError(
+            "3-bit keys and values take the 16-bit word path: their slots are "
+            "2 bytes longer than a multiple of 4, so word32 must be False"
+        )
     kw16 = head_dim // 2 if key_fp8 else head_dim // 4  # u16 words of the key
-    vw16 = head_dim // 4
+    vw16 = head_dim * value_bits // 16  # u16 words of the values
     unit = 2 if word32 else 1
     lanes_k = min(32, kw16 // unit)
-    lanes_v = min(32, vw16 // unit)
+    lanes_v = min(32, head_dim // 4 // unit)  # 4-bit values (3-bit: ld3)
     # Global loads: lanes along the words of a slot.
     ldk = gl.BlockedLayout([1, 1], [32 // lanes_k, lanes_k], [W, 1], [1, 0])
     ldv = gl.BlockedLayout([1, 1], [32 // lanes_v, lanes_v], [W, 1], [1, 0])
+    # 3-bit fields, [16 n, 4 W groups, 8]: a thread loads the 6 u16 words (96
+    # bits) of the 32 codes it converts to the 4-bit words of those
+    # dimensions; words 6 and 7 are masked.
+    ld3 = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [1, W, 1], [2, 1, 0])
+    if mse3:
+        ldk = ld3
+    if v3:
+        ldv = ld3
     ptw = SLICE // 16 if key_fp8 else SLICE // 32  # key words per thread, token
     cw = 4 if key_fp8 else 1  # of them per score chunk
     qc = 64 if key_fp8 else 32  # dimensions per score chunk
@@ -153,6 +177,9 @@ def launch_config(head_dim: int, key_fp8: bool, word32: bool) -> dict:
         KREG=kreg,
         VREG=vreg,
         WORD32=word32,
+        MSE3=mse3,
+        V3=v3,
+        VW16=vw16,
     )
 
 
@@ -210,16 +237,19 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             return None
         c = centroids.float().cpu()
         table = None
-        if c.shape == (16,) and torch.equal(c, -c.flip(0)):
+        n = c.shape[0] if c.dim() == 1 else 0
+        if n in (8, 16) and torch.equal(c, -c.flip(0)):
             # Heads and tails of the centroids scaled to a largest magnitude
             # in [0.5, 1): unscaled, head_dim 512's smallest tails were fp16
             # subnormals, and head + tail held 21 bits instead of 22.
             top = c.abs().max().item()
             shift = 0 if top == 0 else -math.frexp(top)[1]
-            m = c[8:].double() * 2.0**shift
+            # 3-bit keys use magnitudes 0-3 only (_MSE3_SPREAD); 4-7 are 0.
+            mags = torch.cat([c[n // 2 :].double(), torch.zeros(8 - n // 2)])
+            m = mags * 2.0**shift
             head = m.half()
             tail = (m - head.double()).half()
-            square = c[8:].double() ** 2
+            square = mags**2
             top_sq = square.max().item()
             e = 0 if top_sq == 0 else math.frexp((2**SQUARE_BITS - 1) / top_sq)[1] - 1
             fixed = torch.round(square * 2.0**e)
@@ -235,9 +265,10 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             table = v.to(torch.int32).repeat(32, 1).to(centroids.device)
         else:
             logger.info_once(
-                "TurboQuant decode: the Gluon stage 1 reads 16 centroids "
-                "symmetric about 0 (c[n] == -c[15 - n]); these are not (shape "
-                "%s), so the Triton stage 1 serves them (same results, slower).",
+                "TurboQuant decode: the Gluon stage 1 reads 8 or 16 centroids "
+                "symmetric about 0 (c[n] == -c[N - 1 - n]); these are not "
+                "(shape %s), so the Triton stage 1 serves them (same results, "
+                "slower).",
                 tuple(c.shape),
             )
         hit = _tables[key] = (weakref.ref(centroids), table)
@@ -332,6 +363,76 @@ def _mse_select(w):
         is_pure=True,
         pack=1,
     )
+
+
+# The 3-bit codes of 32 dimensions (96 bits in 3 words, code i at bit 3 i)
+# -> four words of 8 nibbles. A word's 24-bit field spreads in three
+# halvings (12 -> 16, 6 -> 8, 3 -> 4 bits), then $BIAS is added to every
+# nibble: 4 for keys, so that codes 4-7 get bit 3 (the positive half of 8
+# symmetric centroids, c[n] = -c[7 - n]) and magnitude n - 4, codes 0-3 the
+# negation of magnitude 3 - n, as _mse_select reads 4-bit nibbles (no nibble
+# carries into the next: 11 at most); 0 for values, read as 4-bit values.
+_SPREAD = """
+    shl.b32 s, f, 4;
+    and.b32 t, f, 0x00000FFF;
+    lop3.b32 t, s, 0x0FFF0000, t, 0xEA;
+    shl.b32 s, t, 2;
+    and.b32 u, t, 0x003F003F;
+    lop3.b32 t, s, 0x3F003F00, u, 0xEA;
+    shl.b32 s, t, 1;
+    and.b32 u, t, 0x07070707;
+    lop3.b32 t, s, 0x70707070, u, 0xEA;
+    add.u32 $OUT, t, $BIAS;
+"""
+# Where each output word's 24-bit field starts: codes 0-7, 8-15 (across
+# words 0 and 1), 16-23 (across 1 and 2), 24-31.
+_FIELDS = [
+    "mov.b32 f, $4;",
+    "shf.r.clamp.b32 f, $4, $5, 24;",
+    "shf.r.clamp.b32 f, $5, $6, 16;",
+    "shr.b32 f, $6, 8;",
+]
+
+
+def _spread3_asm(bias: int) -> str:
+    body = "".join(
+        f + _SPREAD.replace("$OUT", f"${i}").replace("$BIAS", hex(bias))
+        for i, f in enumerate(_FIELDS)
+    )
+    return "{ .reg .b32 f, s, t, u;\n" + body + "}"
+
+
+_MSE3_SPREAD = gl.constexpr(_spread3_asm(0x44444444))
+_U3_SPREAD = gl.constexpr(_spread3_asm(0))
+
+
+@gluon.jit
+def _spread3(w0, w1, w2, ASM: gl.constexpr):
+    """``_MSE3_SPREAD`` (keys) or ``_U3_SPREAD`` (values) on three words."""
+    return gl.inline_asm_elementwise(
+        ASM,
+        "=r,=r,=r,=r,r,r,r",
+        [w0, w1, w2],
+        dtype=(gl.int32,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _nibbles3(kw, G: gl.constexpr, KEYS: gl.constexpr):
+    """[16 n, G, 8] u16 words (a group's 6, then 2 zeros) -> [16 n, G, 4]
+    4-bit key or value words of the same dimensions (``_spread3``)."""
+    lo, hi = gl.split(gl.reshape(kw, [16, G, 4, 2]))
+    w = (hi.to(gl.int32) << 16) | (lo.to(gl.int32) & 0xFFFF)
+    even, odd = gl.split(gl.reshape(w, [16, G, 2, 2]))
+    w0, w2 = gl.split(even)
+    w1, w3 = gl.split(odd)
+    if KEYS:
+        n0, n1, n2, n3 = _spread3(w0, w1, w2, _MSE3_SPREAD)
+    else:
+        n0, n1, n2, n3 = _spread3(w0, w1, w2, _U3_SPREAD)
+    return gl.reshape(gl.join(gl.join(n0, n2), gl.join(n1, n3)), [16, G, 4])
 
 
 @gluon.jit
@@ -438,9 +539,10 @@ def _f16_of_u16(x):
 @gluon.jit
 def _tile_words(
     KV_ptr, bt_row, tile, end, stride_cb, stride_cp, head_off,
-    offk, offv, nk, nv, ns,
+    offk, kin, offv, vin, nk, nv, ns,
     PAGE: gl.constexpr, KEY_FP8: gl.constexpr, NORM16: gl.constexpr,
     VOFF16: gl.constexpr, VW16: gl.constexpr, WORD32: gl.constexpr,
+    MSE3: gl.constexpr, V3: gl.constexpr,
 ):  # fmt: skip
     """One tile's packed words: keys, values, and per token the value scale
     and zero (both in ``w0`` when WORD32) and the key norm (``w2``). A tile
@@ -448,8 +550,14 @@ def _tile_words(
     # PAGE % 16 == 0 and tiles start at multiples of 16: one page a tile.
     blk = gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
-    kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None], other=0)
-    vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None], other=0)
+    if MSE3:  # [16, groups, 8]: kin masks the 2 words past a group's 6
+        kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None, None] & kin, other=0)
+    else:
+        kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None], other=0)
+    if V3:
+        vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None, None] & vin, other=0)
+    else:
+        vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None], other=0)
     live = (tile + ns) < end
     tok = tb + ns * stride_cp
     if WORD32:
@@ -511,12 +619,14 @@ def _stage1(
     KREG: gl.constexpr,
     VREG: gl.constexpr,
     WORD32: gl.constexpr,
+    MSE3: gl.constexpr,  # 3-bit MSE keys, converted to 4-bit words on load
+    V3: gl.constexpr,  # 3-bit values, the same
+    VW16: gl.constexpr,  # u16 words of a slot's values
 ):
     split = gl.program_id(0)
     kv_head = gl.program_id(1)
     row = gl.program_id(2)
     D: gl.constexpr = HEAD_DIM
-    VW16: gl.constexpr = D // 4
     U: gl.constexpr = 2 if WORD32 else 1  # u16 words per load unit
     S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16, 16] scores, in every warp
     COL: gl.constexpr = gl.SliceLayout(0, S2)  # per token
@@ -570,12 +680,33 @@ def _stage1(
 
     bt_row = Block_table_ptr + row * stride_btb
     head_off = kv_head.to(gl.int64) * stride_ch
-    nk = gl.arange(0, 16, layout=gl.SliceLayout(1, LDK))
-    wk = gl.arange(0, KW16 // U, layout=gl.SliceLayout(0, LDK))
-    offk = nk[:, None] * stride_cp + wk[None, :]
-    nv = gl.arange(0, 16, layout=gl.SliceLayout(1, LDV))
-    wv = gl.arange(0, VW16 // U, layout=gl.SliceLayout(0, LDV))
-    offv = nv[:, None] * stride_cp + VOFF16 // U + wv[None, :]
+    if MSE3:
+        nk = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LDK)))
+        gk = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LDK)))
+        ik = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LDK)))
+        offk = nk[:, None, None] * stride_cp + 6 * gk[None, :, None] + ik[None, None, :]
+        kin = (ik < 6)[None, None, :]
+    else:
+        nk = gl.arange(0, 16, layout=gl.SliceLayout(1, LDK))
+        wk = gl.arange(0, KW16 // U, layout=gl.SliceLayout(0, LDK))
+        offk = nk[:, None] * stride_cp + wk[None, :]
+        kin = nk  # not read
+    if V3:
+        nv = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LDV)))
+        gv = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LDV)))
+        iv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LDV)))
+        offv = (
+            nv[:, None, None] * stride_cp
+            + VOFF16
+            + 6 * gv[None, :, None]
+            + iv[None, None, :]
+        )
+        vin = (iv < 6)[None, None, :]
+    else:
+        nv = gl.arange(0, 16, layout=gl.SliceLayout(1, LDV))
+        wv = gl.arange(0, VW16 // U, layout=gl.SliceLayout(0, LDV))
+        offv = nv[:, None] * stride_cp + VOFF16 // U + wv[None, :]
+        vin = nv  # not read
     ns = gl.arange(0, 16, layout=COL)
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
@@ -607,7 +738,8 @@ def _stage1(
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
         KV_ptr, bt_row, start, end, stride_cb, stride_cp, head_off,
-        offk, offv, nk, nv, ns, PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32,
+        offk, kin, offv, vin, nk, nv, ns,
+        PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
     )  # fmt: skip
     for tile in range(start, end, 16):
         live = (tile + ns) < end
@@ -626,12 +758,21 @@ def _stage1(
             k_smem.store(gl.permute(gl.reshape(kw, [16, W, 4, PTW]), [1, 0, 2, 3]))
             v_smem.store(gl.permute(gl.reshape(vw, [16, W, 16]), [1, 0, 2]))
         else:
-            k16.store(gl.permute(gl.reshape(kw, [16, W, 4, 2 * PTW]), [1, 0, 2, 3]))
-            v16.store(gl.permute(gl.reshape(vw, [16, W, 32]), [1, 0, 2]))
+            if MSE3:
+                k4 = _nibbles3(kw, 4 * W, True)
+                k_smem.store(gl.permute(gl.reshape(k4, [16, W, 4, PTW]), [1, 0, 2, 3]))
+            else:
+                k16.store(gl.permute(gl.reshape(kw, [16, W, 4, 2 * PTW]), [1, 0, 2, 3]))
+            if V3:
+                v4 = _nibbles3(vw, 4 * W, False)
+                v_smem.store(gl.permute(gl.reshape(v4, [16, W, 16]), [1, 0, 2]))
+            else:
+                v16.store(gl.permute(gl.reshape(vw, [16, W, 32]), [1, 0, 2]))
         gl.thread_barrier()
         kw, vw, w0, w1, w2 = _tile_words(
             KV_ptr, bt_row, tile + 16, end, stride_cb, stride_cp, head_off,
-            offk, offv, nk, nv, ns, PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32,
+            offk, kin, offv, vin, nk, nv, ns,
+            PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
         )  # fmt: skip
 
         # ---- scores: each warp over its slice, QC dimensions per chunk ----
@@ -735,6 +876,7 @@ def _constexprs(
     word32: bool,
     split: bool,
     min_split_tokens: int,
+    value_bits: int,
 ) -> Mapping[str, object]:
     return MappingProxyType(
         dict(
@@ -747,7 +889,7 @@ def _constexprs(
             NORM_CORRECTION=bool(norm_correction) and not key_fp8,
             NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
             VOFF16=key_packed_size // 2,
-            **launch_config(head_dim, key_fp8, word32),
+            **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
         )
     )
 
@@ -768,6 +910,7 @@ def stage1(
     mse_bits: int,
     key_fp8: bool,
     norm_correction: bool,
+    value_bits: int = 4,
     runner=None,
 ) -> None:
     """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
@@ -806,6 +949,7 @@ def stage1(
         word32,
         num_splits > 1,
         min_split_tokens,
+        value_bits,
     )
     grid = (num_splits, Hk, B)
     if runner is not None:
@@ -823,6 +967,7 @@ def static_compile(
     norm_correction: bool,
     arch: int = 90,
     word32: bool | None = None,
+    value_bits: int = 4,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
     reports): bf16 queries and outputs, pages of 16 tokens, split."""
@@ -834,7 +979,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256,
+        word32, True, 256, value_bits,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",

@@ -1051,6 +1051,7 @@ def decode_attention(
             mse_bits,
             key_fp8,
             norm_correction,
+            value_quant_bits,
             runner=_gluon_runner,
         )
         return _merge(mid, out, num_splits, D)
