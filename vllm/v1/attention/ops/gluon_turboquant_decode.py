@@ -537,6 +537,41 @@ def _f16_of_u16(x):
 
 
 @gluon.jit
+def _field_offsets(
+    LD: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr, BITS3: gl.constexpr,
+    stride_cp, base,
+):  # fmt: skip
+    """Token rows, load offsets and word mask of a slot field (keys or values)
+    that starts ``base`` load units into the slot: [16, WORDS] words for
+    4- and 8-bit fields; for 3-bit ones [16, 4 W groups, 8], a group's 6 u16
+    words (32 codes) and 2 masked ones. The mask is only read for 3 bits."""
+    if BITS3:
+        n = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD)))
+        g = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD)))
+        i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD)))
+        off = n[:, None, None] * stride_cp + base + 6 * g[None, :, None]
+        off = off + i[None, None, :]
+        inside = (i < 6)[None, None, :]
+    else:
+        n = gl.arange(0, 16, layout=gl.SliceLayout(1, LD))
+        w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, LD))
+        off = n[:, None] * stride_cp + base + w[None, :]
+        inside = n
+    return n, off, inside
+
+
+@gluon.jit
+def _load_field(tb, off, live, inside, BITS3: gl.constexpr):
+    """A tile's words of one field (``_field_offsets``); rows not ``live``
+    and masked words read 0."""
+    if BITS3:
+        words = gl.load(tb + off, mask=live[:, None, None] & inside, other=0)
+    else:
+        words = gl.load(tb + off, mask=live[:, None], other=0)
+    return words
+
+
+@gluon.jit
 def _tile_words(
     KV_ptr, bt_row, tile, end, stride_cb, stride_cp, head_off,
     offk, kin, offv, vin, nk, nv, ns,
@@ -550,14 +585,8 @@ def _tile_words(
     # PAGE % 16 == 0 and tiles start at multiples of 16: one page a tile.
     blk = gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
-    if MSE3:  # [16, groups, 8]: kin masks the 2 words past a group's 6
-        kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None, None] & kin, other=0)
-    else:
-        kw = gl.load(tb + offk, mask=((tile + nk) < end)[:, None], other=0)
-    if V3:
-        vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None, None] & vin, other=0)
-    else:
-        vw = gl.load(tb + offv, mask=((tile + nv) < end)[:, None], other=0)
+    kw = _load_field(tb, offk, (tile + nk) < end, kin, MSE3)
+    vw = _load_field(tb, offv, (tile + nv) < end, vin, V3)
     live = (tile + ns) < end
     tok = tb + ns * stride_cp
     if WORD32:
@@ -680,33 +709,8 @@ def _stage1(
 
     bt_row = Block_table_ptr + row * stride_btb
     head_off = kv_head.to(gl.int64) * stride_ch
-    if MSE3:
-        nk = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LDK)))
-        gk = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LDK)))
-        ik = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LDK)))
-        offk = nk[:, None, None] * stride_cp + 6 * gk[None, :, None] + ik[None, None, :]
-        kin = (ik < 6)[None, None, :]
-    else:
-        nk = gl.arange(0, 16, layout=gl.SliceLayout(1, LDK))
-        wk = gl.arange(0, KW16 // U, layout=gl.SliceLayout(0, LDK))
-        offk = nk[:, None] * stride_cp + wk[None, :]
-        kin = nk  # not read
-    if V3:
-        nv = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LDV)))
-        gv = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LDV)))
-        iv = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LDV)))
-        offv = (
-            nv[:, None, None] * stride_cp
-            + VOFF16
-            + 6 * gv[None, :, None]
-            + iv[None, None, :]
-        )
-        vin = (iv < 6)[None, None, :]
-    else:
-        nv = gl.arange(0, 16, layout=gl.SliceLayout(1, LDV))
-        wv = gl.arange(0, VW16 // U, layout=gl.SliceLayout(0, LDV))
-        offv = nv[:, None] * stride_cp + VOFF16 // U + wv[None, :]
-        vin = nv  # not read
+    nk, offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, stride_cp, 0)
+    nv, offv, vin = _field_offsets(LDV, VW16 // U, W, V3, stride_cp, VOFF16 // U)
     ns = gl.arange(0, 16, layout=COL)
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
