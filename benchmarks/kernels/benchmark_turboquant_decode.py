@@ -191,12 +191,13 @@ def paged_layout(batch, context, seed=0):
 
 
 def tq_tables(cfg, head_dim):
-    from vllm.model_executor.layers.quantization.turboquant.centroids import (
-        get_centroids,
+    # The centroids a TurboQuant layer holds (fp16 values), not the solver's.
+    from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
+        fp16_centroids,
     )
 
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
-    centroids, _ = get_centroids(head_dim, bits).float().sort()
+    centroids, _ = fp16_centroids(head_dim, bits).sort()
     midpoints = (centroids[:-1] + centroids[1:]) / 2
     h = torch.tensor([[1.0]])
     while h.shape[0] < head_dim:  # Sylvester Hadamard, as the backend uses

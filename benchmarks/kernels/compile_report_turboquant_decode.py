@@ -86,9 +86,11 @@ def _triton_tool(name: str) -> str:
     return path
 
 
-def sass_loop_opcodes(cubin: bytes) -> collections.Counter:
+def sass_loop_opcodes(cubin: bytes) -> tuple[collections.Counter, int]:
     """Opcode counts (per thread, predicated or not) of the longest loop in
-    the cubin's SASS: the tile loop."""
+    the cubin's SASS, the tile loop, and how many of them sit in conditional
+    blocks (``BSSY`` .. ``BSYNC``: the softmax rescale, which most tiles
+    skip)."""
     nvdisasm = _triton_tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -101,11 +103,16 @@ def sass_loop_opcodes(cubin: bytes) -> collections.Counter:
     if loop is None:
         raise ValueError("the SASS has no backward branch: no tile loop to count")
     ops = collections.Counter()
+    depth = conditional = 0
     for line in lines[loop[0] : loop[1] + 1]:
         if inst := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
             op = re.sub(r"^@!?U?P\w+\s+", "", inst.group(1))  # drop the predicate
-            ops[op.split()[0].split(".")[0]] += 1
-    return ops
+            op = op.split()[0].split(".")[0]
+            ops[op] += 1
+            depth -= op == "BSYNC"
+            conditional += depth > 0
+            depth += op == "BSSY"
+    return ops, conditional
 
 
 def programs_per_sm(registers: int, warps: int, shared: int) -> int:
@@ -203,6 +210,9 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
+    from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
+        fp16_centroids,
+    )
     from vllm.v1.attention.ops import gluon_turboquant_decode as gluon_decode
 
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
@@ -210,6 +220,12 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         head_dim, group, 16, cfg.key_fp8, cfg.key_mse_bits, cfg.value_quant_bits
     ):
         raise ValueError("not served by the Gluon stage 1")
+    tails = False
+    if not cfg.key_fp8:  # the centroids a layer holds decide the tails' dot
+        centroids = fp16_centroids(head_dim, cfg.key_mse_bits)
+        tails = gluon_decode.key_table(centroids) is None or gluon_decode.key_tails(
+            centroids
+        )
     kernel = gluon_decode.static_compile(
         head_dim,
         group,
@@ -219,15 +235,17 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         cfg.norm_correction,
         arch,
         value_bits=cfg.value_quant_bits,
+        key_tails=tails,
     )
     registers, spills = _ptxas_usage(kernel.asm["ptx"], arch)
     shared = kernel.metadata.shared
     warps = kernel.metadata.num_warps
     per_sm = programs_per_sm(registers, warps, shared)
     loop = loop_instructions(kernel.asm["ptx"])
-    sass = sass_loop_opcodes(kernel.asm["cubin"])
+    sass, conditional = sass_loop_opcodes(kernel.asm["cubin"])
     return (
-        registers, spills, shared, per_sm, loop * warps / gluon_decode.TILE, sass
+        registers, spills, shared, per_sm, loop * warps / gluon_decode.TILE, sass,
+        conditional,
     )  # fmt: skip
 
 
@@ -266,7 +284,7 @@ def main():
         for preset in args.presets:
             for head_dim in args.head_dims:
                 try:
-                    regs, spills, shared, per_sm, per_token, sass = (
+                    regs, spills, shared, per_sm, per_token, sass, cond = (
                         compile_gluon_stage1(preset, head_dim, GQA[head_dim], args.arch)
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
@@ -288,7 +306,10 @@ def main():
                         if op not in MEMORY_OPCODES
                     ]
                     mix = ", ".join(f"{op} {n}" for op, n in first + rest)
-                    print(f"  SASS per warp and tile ({sum(sass.values())}): {mix}")
+                    print(
+                        f"  SASS per warp and tile ({sum(sass.values())}, of them "
+                        f"{cond} in conditional blocks): {mix}"
+                    )
         return
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 

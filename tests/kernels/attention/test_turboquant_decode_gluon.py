@@ -25,11 +25,13 @@ import pytest
 import torch
 
 from tests.kernels.attention import gluon_numpy
+from tests.kernels.attention import test_turboquant_decode_splitkv as splitkv_tests
 from tests.kernels.attention.test_turboquant_decode_splitkv import (
     PRESETS,
     TOL,
     _call,
     _filled_cache,
+    _fp16_bytes,
     _poisoned,
     _reference,
     _run,
@@ -205,6 +207,95 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
     monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
     with pytest.raises(AssertionError, match="max error"):
         _run(triton_interpret, preset, 128, 4, [45, 70])
+
+
+def _growing_scores(cfg, cache, table):
+    """Key norms x4 per page along each row (a row's max score outgrows its
+    running max by more than 2**8 from the third page on), value scales of
+    2-3 x 10**4 on page 1, where the max grows by less: p * scale would
+    overflow fp16 at the stale max."""
+    mse = cfg.key_packed_size - 2  # the key norm follows the codes
+    vscale = cfg.key_packed_size + cfg.head_dim * cfg.effective_value_quant_bits // 8
+    shape = cache.shape[1:-1]
+    for row in table.cpu():
+        for j, block in enumerate(row[row >= 0].tolist()):
+            norms = (torch.rand(shape) * 3 + 0.5) * 4.0**j
+            cache[block, ..., mse : mse + 2] = _fp16_bytes(norms).to(cache.device)
+            if j == 1:
+                scales = torch.rand(shape) * 10000 + 20000
+                bytes_ = _fp16_bytes(scales).to(cache.device)
+                cache[block, ..., vscale : vscale + 2] = bytes_
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [None, "max never moves after the first tile", "value scales not checked"],
+)
+def test_the_running_max_moves_where_scores_outgrow_it(
+    triton_interpret, gluon_on_numpy, monkeypatch, fault
+):
+    """The stage 1 rescales its sums only where a row's max grew by more
+    than 2**8, or a value scale could overflow fp16; exact either way. Held
+    at the first tile's max, growing scores overflow; without the scale's
+    condition, p * scale does (red)."""
+    if fault == "max never moves after the first tile":
+        monkeypatch.setattr(gluon_decode, "_STALE_LOG2", 1e9)
+        monkeypatch.setattr(gluon_decode, "_STALE_SCALE_MAX", 1e9)
+    elif fault:
+        monkeypatch.setattr(gluon_decode, "_STALE_SCALE_MAX", 1e9)
+    run = lambda: _run(  # noqa: E731
+        triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70], num_kv_heads=1,
+        splits=1, edit=_growing_scores,
+    )  # fmt: skip
+    if fault:
+        with (
+            pytest.raises(AssertionError, match="max error|NaN"),
+            np.errstate(over="ignore", invalid="ignore"),
+        ):
+            run()
+    else:
+        run()
+    assert gluon_on_numpy
+
+
+@pytest.mark.parametrize(
+    ("preset", "head_dim", "fault"),
+    [
+        ("turboquant_4bit_nc", 128, None),
+        ("turboquant_k3v4_nc", 256, None),
+        ("turboquant_4bit_nc", 128, "tails skipped where centroids have them"),
+    ],
+)
+def test_fp16_centroids_take_one_dot_per_chunk(
+    triton_interpret, monkeypatch, preset, head_dim, fault
+):
+    """Centroids that are fp16 values have zero tails: the stage 1 skips
+    their lookup and dot and still matches float64. Skipping them for
+    centroids that are not fp16 values moves scores by ~2**-12 (red)."""
+    fp16 = fault is None
+    if fp16:
+        solved = splitkv_tests.get_centroids
+        monkeypatch.setattr(
+            splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
+        )
+    else:
+        monkeypatch.setattr(gluon_decode, "key_tails", lambda centroids: False)
+    tails = []
+    run = gluon_numpy.runner()
+
+    def runner(kernel, grid, args, constexprs):
+        tails.append(constexprs["TAILS"])
+        run(kernel, grid, args, constexprs)
+
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    if fp16:
+        _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
+    else:
+        with pytest.raises(AssertionError, match="max error"):
+            _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
+    assert tails == [False]
 
 
 def _decode_table(table: torch.Tensor):
@@ -412,16 +503,22 @@ def test_query_chunk_rows_fall_in_distinct_banks(key_fp8):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize(("head_dim", "gqa"), [(128, 4), (256, 6), (512, 8)])
-def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
+@pytest.mark.parametrize(
+    ("head_dim", "gqa", "key_tails"),
+    [(128, 4, False), (256, 6, False), (512, 8, False), (128, 4, True)],
+)
+def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
     """What the NumPy run cannot see: the kernel compiles for sm_90 (no GPU
     needed; ptxas ships with Triton) and every layout conversion marked
-    trivial is one."""
+    trivial is one. Layers' centroids are fp16 values (no key tails); the
+    tails' dot serves any others."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         # gl.sum and friends become interpreter functions, which compile
         # cannot take; the session without the interpreter runs this.
         pytest.skip("compiled in the session without the Triton interpreter")
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+    if key_tails and cfg.key_fp8:
+        pytest.skip("FP8 keys have no centroids")
     kernel = gluon_decode.static_compile(
         head_dim,
         gqa,
@@ -430,6 +527,7 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
         cfg.key_packed_size,
         cfg.norm_correction,
         value_bits=cfg.value_quant_bits,
+        key_tails=key_tails,
     )
     assert kernel.metadata.num_warps == head_dim // 128
     assert "mma.sync" in kernel.asm["ptx"]
@@ -439,22 +537,31 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("levels", ["solver", "fp16"])
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(
     "shape",
     [(32, 8, 128, [1, 700, 8192, 0]), (24, 4, 256, [33, 8192, 0])],
     ids=["qwen3-4b", "qwen3.6-27b"],
 )
-def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
+def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     """With the Gluon stage 1 enabled, decode_attention takes it on sm_89+;
     the Triton one gives the same output, and both hold fp32 rounding against
-    float64."""
+    float64: for the solver's centroids (the key tails' dot) and for fp16
+    ones, as layers hold them (one dot)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the Gluon stage 1 needs sm_89+")
     Hq, Hk, D, seq_lens = shape
     device = "cuda"
     torch.manual_seed(11)
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
+    if levels == "fp16":
+        if cfg.key_fp8:
+            pytest.skip("FP8 keys have no centroids")
+        solved = splitkv_tests.get_centroids
+        monkeypatch.setattr(
+            splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
+        )
     centroids, midpoints, pit = _tables(cfg, D, device)
     cache, table = _filled_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
     query = torch.randn(len(seq_lens), Hq, D, device=device)
@@ -466,7 +573,9 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
     launched = []
     real = gluon_decode.stage1
     monkeypatch.setattr(
-        gluon_decode, "stage1", lambda *a, **k: launched.append(1) or real(*a, **k)
+        gluon_decode,
+        "stage1",
+        lambda *a, **k: launched.append(k["key_tails"]) or real(*a, **k),
     )
 
     def decode():
@@ -489,6 +598,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape):
 
     got = decode()
     assert launched, "decode_attention did not take the Gluon stage 1"
+    assert launched[0] == (levels == "solver" and not cfg.key_fp8)
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: None)
     triton_out = decode()
     ref = _reference(query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5)

@@ -223,10 +223,13 @@ def _run(
     min_split_tokens=16,
     table=None,
     hadamard=False,
+    edit=None,
 ):
     cfg, centroids, pit, cache, own_table = _case(
         preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes
     )
+    if edit is not None:  # edit(cfg, cache, block_table): rewrite packed fields
+        edit(cfg, cache, own_table)
     if hadamard:
         # The backend's own rotation: rotated in registers, not by a GEMM.
         pit = _build_hadamard(head_dim, device)

@@ -40,8 +40,9 @@ def test_dummy_weights_keep_turboquant_centroids(cache_dtype):
             }
         )
     bits = model["attn"]._tq_config.centroid_bits
-    levels = get_centroids(128, bits).clone()
-    assert torch.equal(model["attn"]._tq_centroids, levels)
+    solved = get_centroids(128, bits).clone()
+    levels = model["attn"]._tq_centroids.clone()
+    assert torch.allclose(levels, solved, rtol=1e-3, atol=0)
 
     initialize_dummy_weights(model, config.model_config)
 
@@ -51,6 +52,6 @@ def test_dummy_weights_keep_turboquant_centroids(cache_dtype):
     )
     # The layer's buffer was get_centroids()'s cached tensor itself, so the
     # noise also reached every later layer and engine in the process.
-    assert torch.equal(get_centroids(128, bits), levels)
+    assert torch.equal(get_centroids(128, bits), solved)
     # Still a buffer, so model.to(device) moves it with the layer.
     assert "attn._tq_centroids" in dict(model.named_buffers())

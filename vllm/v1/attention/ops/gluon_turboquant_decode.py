@@ -27,12 +27,16 @@ value crosses threads:
   and tails as byte planes and their squares in 22-bit fixed point (norm
   correction, summed exactly by ``dp4a``). A 256-entry table in global
   memory, gathered per key byte, kept L1 at ~80 % of its peak (release 12).
+  Centroids that are fp16 values (a TurboQuant layer's are: see
+  ``fp16_centroids``) have zero tails; their lookup and dot are skipped.
   3-bit MSE keys (``turboquant_k3v4_nc``) are spread to those 4-bit words
   as they go to shared memory: code n becomes nibble n + 4, so their 8
   symmetric centroids are magnitudes 0-3 of the same lookup.
   4-bit values are ``(n | 0x6400) - 1024`` in f16x2 (exact).
 - The score tile's accumulator layout is the fp16 A-operand layout, so ``p``
-  stays in registers between the two dots.
+  stays in registers between the two dots. The online softmax moves a row's
+  running max only where its scores outgrow it by more than 2**8, so most
+  tiles skip rescaling the output sums.
 
 It writes the same partial results as the Triton stage 1 (``Out`` with one
 split, else ``Mid`` and the log-sum-exp), so the same merge kernel follows.
@@ -183,12 +187,21 @@ def launch_config(
     )
 
 
-# Key tables per centroid tensor (data_ptr, device): the tensor (weakly) and
-# the table. A lookup also checks the tensor is the one the table was built
-# from: a freed tensor's address can hold other centroids later (another
-# engine in the same process). Not its version counter: the backend's
-# centroids are constants, and inference tensors have none.
-_tables: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor | None]] = {}
+# Key tables per centroid tensor (data_ptr, device): the tensor (weakly), the
+# table, and whether it has tails (key_tails). A lookup also checks the
+# tensor is the one the table was built from: a freed tensor's address can
+# hold other centroids later (another engine in the same process). Not its
+# version counter: the backend's centroids are constants, and inference
+# tensors have none.
+_Entry = tuple[weakref.ref, torch.Tensor | None, bool]
+_tables: dict[tuple[int, str], _Entry] = {}
+
+# How far (log2) a row's running max may lag its scores: p <= 2**8 (as in
+# FlashAttention 4's conditional rescale), fine in fp32, and p * scale
+# stays below fp16's 65504 for value scales up to 255 (larger ones rescale
+# every tile, as before).
+_STALE_LOG2 = gl.constexpr(8.0)
+_STALE_SCALE_MAX = gl.constexpr(65504.0 / 2**8)
 
 # Words of key_table(); the kernel loads them once per program.
 TABLE_WORDS = 16
@@ -226,6 +239,9 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
     - word 14: 2**-e as fp32 bits; word 15: the factor (a power of two)
       the heads and tails are scaled by, inverted, as fp32 bits.
 
+    The tails are all zero where the centroids are fp16 values (see
+    ``key_tails``).
+
     None where the centroids are not 16 and symmetric (the caller then runs
     the Triton stage 1), and while a CUDA graph is captured if not built
     before: building allocates and copies, which a capture must not record.
@@ -237,6 +253,7 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             return None
         c = centroids.float().cpu()
         table = None
+        tails = True
         n = c.shape[0] if c.dim() == 1 else 0
         if n in (8, 16) and torch.equal(c, -c.flip(0)):
             # Heads and tails of the centroids scaled to a largest magnitude
@@ -249,6 +266,7 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             m = mags * 2.0**shift
             head = m.half()
             tail = (m - head.double()).half()
+            tails = bool(tail.any())
             square = mags**2
             top_sq = square.max().item()
             e = 0 if top_sq == 0 else math.frexp((2**SQUARE_BITS - 1) / top_sq)[1] - 1
@@ -271,8 +289,17 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
                 "slower).",
                 tuple(c.shape),
             )
-        hit = _tables[key] = (weakref.ref(centroids), table)
+        hit = _tables[key] = (weakref.ref(centroids), table, tails)
     return hit[1]
+
+
+def key_tails(centroids: torch.Tensor) -> bool:
+    """Whether ``key_table(centroids)`` (built first) has nonzero tails. Where
+    every centroid is an fp16 value the heads are exact, and the stage 1
+    skips the tails' lookup and dot: 123 of 1,121 instructions a tile for
+    turboquant_4bit_nc (head_dim 128)."""
+    hit = _tables.get((centroids.data_ptr(), str(centroids.device)))
+    return True if hit is None or hit[0]() is not centroids else hit[2]
 
 
 @gluon.jit
@@ -541,10 +568,10 @@ def _field_offsets(
     LD: gl.constexpr, WORDS: gl.constexpr, W: gl.constexpr, BITS3: gl.constexpr,
     stride_cp, base,
 ):  # fmt: skip
-    """Token rows, load offsets and word mask of a slot field (keys or values)
-    that starts ``base`` load units into the slot: [16, WORDS] words for
-    4- and 8-bit fields; for 3-bit ones [16, 4 W groups, 8], a group's 6 u16
-    words (32 codes) and 2 masked ones. The mask is only read for 3 bits."""
+    """Load offsets and word mask of a slot field (keys or values) that starts
+    ``base`` load units into the slot: [16, WORDS] words for 4- and 8-bit
+    fields; for 3-bit ones [16, 4 W groups, 8], a group's 6 u16 words (32
+    codes) and 2 masked ones. The mask is only read for 3 bits."""
     if BITS3:
         n = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD)))
         g = gl.arange(0, 4 * W, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD)))
@@ -557,24 +584,27 @@ def _field_offsets(
         w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, LD))
         off = n[:, None] * stride_cp + base + w[None, :]
         inside = n
-    return n, off, inside
+    return off, inside
 
 
+# A tile's key and value words are loaded whether or not its tokens are
+# live: the page holds all 16 (PAGE % 16 == 0), a tile at or past the end
+# reads page 0, and a dead token's score is -inf and its value scale and
+# zero 0 (those stay masked), so whatever its words hold adds 0. A mask per
+# token cost an add and a compare per word load (32 a tile).
 @gluon.jit
-def _load_field(tb, off, live, inside, BITS3: gl.constexpr):
-    """A tile's words of one field (``_field_offsets``); rows not ``live``
-    and masked words read 0."""
+def _load_field(tb, off, inside, BITS3: gl.constexpr):
+    """A tile's words of one field (``_field_offsets``); for 3 bits the
+    masked words read 0."""
     if BITS3:
-        words = gl.load(tb + off, mask=live[:, None, None] & inside, other=0)
-    else:
-        words = gl.load(tb + off, mask=live[:, None], other=0)
-    return words
+        return gl.load(tb + off, mask=inside, other=0)
+    return gl.load(tb + off)
 
 
 @gluon.jit
 def _tile_words(
     KV_ptr, bt_row, tile, end, stride_cb, stride_cp, head_off,
-    offk, kin, offv, vin, nk, nv, ns,
+    offk, kin, offv, vin, ns,
     PAGE: gl.constexpr, KEY_FP8: gl.constexpr, NORM16: gl.constexpr,
     VOFF16: gl.constexpr, VW16: gl.constexpr, WORD32: gl.constexpr,
     MSE3: gl.constexpr, V3: gl.constexpr,
@@ -585,8 +615,8 @@ def _tile_words(
     # PAGE % 16 == 0 and tiles start at multiples of 16: one page a tile.
     blk = gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
-    kw = _load_field(tb, offk, (tile + nk) < end, kin, MSE3)
-    vw = _load_field(tb, offv, (tile + nv) < end, vin, V3)
+    kw = _load_field(tb, offk, kin, MSE3)
+    vw = _load_field(tb, offv, vin, V3)
     live = (tile + ns) < end
     tok = tb + ns * stride_cp
     if WORD32:
@@ -632,6 +662,7 @@ def _stage1(
     GROUP: gl.constexpr,
     KEY_FP8: gl.constexpr,
     NORM_CORRECTION: gl.constexpr,
+    TAILS: gl.constexpr,  # MSE keys whose centroids are not all fp16 values
     NORM16: gl.constexpr,  # u16 offset of the key norm (MSE keys)
     VOFF16: gl.constexpr,  # u16 offset of the value field
     W: gl.constexpr,
@@ -709,8 +740,8 @@ def _stage1(
 
     bt_row = Block_table_ptr + row * stride_btb
     head_off = kv_head.to(gl.int64) * stride_ch
-    nk, offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, stride_cp, 0)
-    nv, offv, vin = _field_offsets(LDV, VW16 // U, W, V3, stride_cp, VOFF16 // U)
+    offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, stride_cp, 0)
+    offv, vin = _field_offsets(LDV, VW16 // U, W, V3, stride_cp, VOFF16 // U)
     ns = gl.arange(0, 16, layout=COL)
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
@@ -742,7 +773,7 @@ def _stage1(
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
         KV_ptr, bt_row, start, end, stride_cb, stride_cp, head_off,
-        offk, kin, offv, vin, nk, nv, ns,
+        offk, kin, offv, vin, ns,
         PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
     )  # fmt: skip
     for tile in range(start, end, 16):
@@ -775,7 +806,7 @@ def _stage1(
         gl.thread_barrier()
         kw, vw, w0, w1, w2 = _tile_words(
             KV_ptr, bt_row, tile + 16, end, stride_cb, stride_cp, head_off,
-            offk, kin, offv, vin, nk, nv, ns,
+            offk, kin, offv, vin, ns,
             PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
         )  # fmt: skip
 
@@ -795,11 +826,14 @@ def _stage1(
                 ch = _key_operand(
                     _mse_centroids(sel, pos0, pos1, t0, t1, t2, t3), W, QC
                 )
-                cl = _key_operand(
-                    _mse_centroids(sel, pos0, pos1, t4, t5, t6, t7), W, QC
-                )
                 raw = mma_v2(qc, gl.convert_layout(ch, B_OP, assert_trivial=True), raw)
-                raw = mma_v2(qc, gl.convert_layout(cl, B_OP, assert_trivial=True), raw)
+                if TAILS:
+                    cl = _key_operand(
+                        _mse_centroids(sel, pos0, pos1, t4, t5, t6, t7), W, QC
+                    )
+                    raw = mma_v2(
+                        qc, gl.convert_layout(cl, B_OP, assert_trivial=True), raw
+                    )
                 if NORM_CORRECTION:
                     sq = _mse_squares(sel, t8, t9, t10, t11, t12, t13)
                     if c == 0:
@@ -817,11 +851,25 @@ def _stage1(
         s = gl.where(live[None, :], s * factor[None, :], float("-inf"))
 
         # ---- online softmax (every warp holds the whole score tile) ----
+        # The running max m_i moves only when a row's max outgrows it by more
+        # than 2**_STALE_LOG2 (or a scale could overflow p * scale in fp16):
+        # m cancels in (acc + z) / l, so the result is the same, and the
+        # rescale of acc (64 FMUL a warp per tile, 11 % of k8v4's loop) runs
+        # on the few tiles where the max moves, not on every one.
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        z_i = z_i * alpha + gl.sum(p * v_zero[None, :], axis=1)
+        grow = gl.max(m_new - m_i, axis=0)
+        if (grow > _STALE_LOG2) | (gl.max(v_scale, axis=0) > _STALE_SCALE_MAX):
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            z_i = z_i * alpha
+            a3 = gl.convert_layout(
+                alpha, gl.SliceLayout(0, gl.SliceLayout(2, MMA)), assert_trivial=True
+            )
+            acc = acc * gl.expand_dims(gl.expand_dims(a3, 0), 2)
+            m_i = m_new
+        p = gl.exp2(s - m_i[:, None])
+        l_i = l_i + gl.sum(p, axis=1)
+        z_i = z_i + gl.sum(p * v_zero[None, :], axis=1)
         p2 = gl.expand_dims(_split16(p * v_scale[None, :], rows_lo), 0) + zeros_p
         p2 = gl.convert_layout(p2, A_OP, assert_trivial=True)
 
@@ -831,11 +879,7 @@ def _stage1(
         # slice-local logical n = g + 8 (8 wd + nibble)
         vv = gl.reshape(gl.permute(vv, [0, 1, 3, 6, 5, 4, 2]), [W, 16, _SLICE])
         vv = gl.convert_layout(vv, B_OP, assert_trivial=True)
-        a3 = gl.convert_layout(
-            alpha, gl.SliceLayout(0, gl.SliceLayout(2, MMA)), assert_trivial=True
-        )
-        acc = mma_v2(p2, vv, acc * gl.expand_dims(gl.expand_dims(a3, 0), 2))
-        m_i = m_new
+        acc = mma_v2(p2, vv, acc)
 
     # Rows r and r + 8 carry the fp16 head and tail of p * scale; m, l, z are
     # equal in both.
@@ -881,6 +925,7 @@ def _constexprs(
     split: bool,
     min_split_tokens: int,
     value_bits: int,
+    tails: bool,
 ) -> Mapping[str, object]:
     return MappingProxyType(
         dict(
@@ -891,6 +936,7 @@ def _constexprs(
             GROUP=group,
             KEY_FP8=bool(key_fp8),
             NORM_CORRECTION=bool(norm_correction) and not key_fp8,
+            TAILS=bool(tails) and not key_fp8,
             NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
             VOFF16=key_packed_size // 2,
             **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
@@ -915,6 +961,7 @@ def stage1(
     key_fp8: bool,
     norm_correction: bool,
     value_bits: int = 4,
+    key_tails: bool = True,
     runner=None,
 ) -> None:
     """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
@@ -954,6 +1001,7 @@ def stage1(
         num_splits > 1,
         min_split_tokens,
         value_bits,
+        key_tails,
     )
     grid = (num_splits, Hk, B)
     if runner is not None:
@@ -972,6 +1020,7 @@ def static_compile(
     arch: int = 90,
     word32: bool | None = None,
     value_bits: int = 4,
+    key_tails: bool = True,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
     reports): bf16 queries and outputs, pages of 16 tokens, split."""
@@ -983,7 +1032,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits,
+        word32, True, 256, value_bits, key_tails,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",

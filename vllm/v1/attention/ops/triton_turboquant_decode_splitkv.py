@@ -1052,6 +1052,7 @@ def decode_attention(
             key_fp8,
             norm_correction,
             value_quant_bits,
+            key_tails=False if key_fp8 else gluon.key_tails(centroids),
             runner=_gluon_runner,
         )
         return _merge(mid, out, num_splits, D)
