@@ -223,9 +223,8 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
     tails = False
     if not cfg.key_fp8:  # the centroids a layer holds decide the tails' dot
         centroids = fp16_centroids(head_dim, cfg.key_mse_bits)
-        tails = gluon_decode.key_table(centroids) is None or gluon_decode.key_tails(
-            centroids
-        )
+        gluon_decode.key_table(centroids)
+        tails = gluon_decode.key_tails(centroids)
     kernel = gluon_decode.static_compile(
         head_dim,
         group,

@@ -209,6 +209,15 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
         _run(triton_interpret, preset, 128, 4, [45, 70])
 
 
+def _fp16_levels(monkeypatch):
+    """The split-KV tests' caches quantized to the solver's centroids rounded
+    to fp16 values, as TurboQuant layers hold them (patch 0020)."""
+    solved = splitkv_tests.get_centroids
+    monkeypatch.setattr(
+        splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
+    )
+
+
 def _growing_scores(cfg, cache, table):
     """Key norms x4 per page along each row (a row's max score outgrows its
     running max by more than 2**8 from the third page on), value scales of
@@ -274,10 +283,7 @@ def test_fp16_centroids_take_one_dot_per_chunk(
     centroids that are not fp16 values moves scores by ~2**-12 (red)."""
     fp16 = fault is None
     if fp16:
-        solved = splitkv_tests.get_centroids
-        monkeypatch.setattr(
-            splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
-        )
+        _fp16_levels(monkeypatch)
     else:
         monkeypatch.setattr(gluon_decode, "key_tails", lambda centroids: False)
     tails = []
@@ -558,10 +564,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     if levels == "fp16":
         if cfg.key_fp8:
             pytest.skip("FP8 keys have no centroids")
-        solved = splitkv_tests.get_centroids
-        monkeypatch.setattr(
-            splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
-        )
+        _fp16_levels(monkeypatch)
     centroids, midpoints, pit = _tables(cfg, D, device)
     cache, table = _filled_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
     query = torch.randn(len(seq_lens), Hq, D, device=device)

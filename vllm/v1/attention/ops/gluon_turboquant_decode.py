@@ -200,8 +200,9 @@ _tables: dict[tuple[int, str], _Entry] = {}
 # FlashAttention 4's conditional rescale), fine in fp32, and p * scale
 # stays below fp16's 65504 for value scales up to 255 (larger ones rescale
 # every tile, as before).
-_STALE_LOG2 = gl.constexpr(8.0)
-_STALE_SCALE_MAX = gl.constexpr(65504.0 / 2**8)
+STALE_LOG2 = 8
+_STALE_LOG2 = gl.constexpr(float(STALE_LOG2))
+_STALE_SCALE_MAX = gl.constexpr(65504.0 / 2**STALE_LOG2)
 
 # Words of key_table(); the kernel loads them once per program.
 TABLE_WORDS = 16
