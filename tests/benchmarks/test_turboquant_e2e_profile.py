@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The e2e harness's per-step profile (kernel classes and per-step sums), the
-engine logs it keeps, and how it hands a scenario's requests to the engine."""
+engine logs it keeps, how it hands a scenario's requests to the engine, and
+how it sums up repeats."""
 
 import importlib.util
 import subprocess
@@ -156,3 +157,30 @@ def test_a_failed_hand_off_leaves_the_engine_scheduling(e2e):
     with pytest.raises(ValueError, match="bad prompt"):
         e2e.generate_from_full_queue(engine, ["a"], None)
     assert not engine.paused
+
+
+def test_summary_keeps_each_repeats_ttft_and_the_spreads(e2e):
+    """TTFT moved by up to 1.5x between runs of the same code: each repeat's
+    median TTFT is kept, and its spread printed beside tok/s's."""
+    reps = [
+        dict(
+            wall_s=1.0,
+            output_tokens=1,
+            output_tok_s=tok,
+            ttft_median_s=ttft,
+            ttft_p90_s=ttft,
+            tpot_median_s=0.005,
+            tpot_p90_s=0.005,
+        )
+        for tok, ttft in [(5600.0, 0.040), (5500.0, 0.060), (5700.0, 0.042)]
+    ]
+    s = e2e.summarize(reps)
+    assert s["ttft_median_s_reps"] == [0.040, 0.060, 0.042]
+    assert s["ttft_median_s"] == 0.042
+    assert s["ttft_median_s_spread"] == pytest.approx(0.020 / 0.042)
+    assert s["output_tok_s_spread"] == pytest.approx(200 / 5600)
+    assert e2e.summarize(reps[:1])["ttft_median_s_spread"] is None
+    meta = dict(time="t", device="H100", vllm="0.20.2", torch="2.11.0", repeats=3)
+    row = dict(model="Qwen3-4B", kv="auto", kv_tokens=1000)
+    md = e2e.markdown(meta, [dict(row, scenarios={"decode-heavy": s})])
+    assert "| 3.6% / 48% | 42 / 42 (n/ax) |" in md
