@@ -103,6 +103,10 @@ _PROFILE = "HYBRIDKV_E2E_PROFILE "
 # Output steps of a profiled pass: enough to see the decode steps, few enough
 # that the trace (~500 kernels per step on the Qwen3-4B shape) stays small.
 PROFILE_STEPS = 64
+PROFILE_TOP = 15
+# Set (to anything) with --profile/--profile-only: one more pass per scenario
+# under cProfile, printed to the engine's log (--keep-logs keeps it).
+HOST_PROFILE_ENV = "HYBRIDKV_E2E_HOST_PROFILE"
 
 
 def percentile(xs, q):
@@ -139,6 +143,22 @@ def step_profile(kernels, steps: int, wall_s: float) -> dict:
     out["wall"] = wall_s * 1e6 / steps
     out["gap"] = out["wall"] - out["gpu"]
     return out
+
+
+def host_profile(run, lines: int = 40) -> str:
+    """cProfile of ``run()``: the functions with the most own time, then the
+    most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()
 
 
 # ---------------------------------------------------------------- child ----
@@ -221,7 +241,11 @@ def run_child(spec: dict) -> dict:
                 # pass's would come from the prefix cache (a prompt of whole
                 # blocks recomputes only its last token), hiding the prefill.
                 results[name] = profile_scenario(
-                    llm, prompts(n, in_len), prompts(n, in_len), params
+                    llm,
+                    prompts(n, in_len),
+                    prompts(n, in_len),
+                    params,
+                    prompts(n, in_len) if os.environ.get(HOST_PROFILE_ENV) else None,
                 )
                 print(
                     _PROFILE + json.dumps(dict(scenario=name, **results[name][0])),
@@ -270,10 +294,12 @@ def run_child(spec: dict) -> dict:
     return results
 
 
-def profile_scenario(llm, untimed, profiled, params) -> list[dict]:
+def profile_scenario(llm, untimed, profiled, params, host=None) -> list[dict]:
     """One untimed pass, then one under torch.profiler over other prompts of
     the same shape: a step profile, as a list of one (the shape of the timed
-    runs' per-repeat results)."""
+    runs' per-repeat results). With ``host`` prompts, one more pass under
+    cProfile prints where the engine's host time goes (the step profile's
+    "gap"): cProfile slows Python, so it gets a pass of its own."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -288,14 +314,17 @@ def profile_scenario(llm, untimed, profiled, params) -> list[dict]:
         if e.device_type == DeviceType.CUDA
     ]
     prof_row = step_profile(kernels, params.max_tokens, wall)
+    if host is not None:
+        print(host_profile(lambda: llm.generate(host, params, use_tqdm=False)))
     prof_row["kernels"] = len(kernels)
-    # The five longest kernels by total time, for the notes.
+    # The longest kernels by total time, for the notes: enough to place the
+    # small per-layer launches (merge, rotation, store) beside the GEMMs.
     totals = {}
     for name, us in kernels:
         totals[name] = totals.get(name, 0.0) + us
     prof_row["top"] = [
         [name[:80], round(us / params.max_tokens, 1)]
-        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:PROFILE_TOP]
     ]
     return [prof_row]
 

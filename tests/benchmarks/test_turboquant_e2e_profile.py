@@ -184,3 +184,47 @@ def test_summary_keeps_each_repeats_ttft_and_the_spreads(e2e):
     row = dict(model="Qwen3-4B", kv="auto", kv_tokens=1000)
     md = e2e.markdown(meta, [dict(row, scenarios={"decode-heavy": s})])
     assert "| 3.6% / 48% | 42 / 42 (n/ax) |" in md
+
+
+def test_host_profile_names_where_the_host_time_went(e2e):
+    """The profiled engine's gap (wall minus kernels) is host work: its cProfile
+    lists the functions by own time, then by cumulative time."""
+
+    def busy():
+        return sum(i * i for i in range(20000))
+
+    def run():
+        return [busy() for _ in range(3)]
+
+    text = e2e.host_profile(run, lines=10)
+    assert text.count("Ordered by: internal time") == 1
+    assert text.count("Ordered by: cumulative time") == 1
+    assert "(busy)" in text
+
+
+def test_the_host_profile_pass_runs_only_on_request(e2e, monkeypatch):
+    """profile_scenario runs the extra cProfile pass only with host prompts:
+    its prompts are fresh (the other passes' would hit the prefix cache)."""
+    calls = []
+
+    class _Llm:
+        def generate(self, prompts, params, use_tqdm):
+            calls.append(prompts)
+
+    import contextlib
+
+    import torch.profiler
+
+    @contextlib.contextmanager
+    def no_kernels(activities):
+        yield type("Prof", (), {"events": lambda self: []})()
+
+    monkeypatch.setattr(torch.profiler, "profile", no_kernels)
+    monkeypatch.setattr(e2e, "step_profile", lambda kernels, steps, wall: {})
+    params = type("P", (), {"max_tokens": 4})()
+    monkeypatch.setattr(e2e, "host_profile", lambda run: run() or "profiled")
+    e2e.profile_scenario(_Llm(), ["untimed"], ["profiled"], params)
+    assert calls == [["untimed"], ["profiled"]]
+    calls.clear()
+    e2e.profile_scenario(_Llm(), ["untimed"], ["profiled"], params, ["host"])
+    assert calls == [["untimed"], ["profiled"], ["host"]]

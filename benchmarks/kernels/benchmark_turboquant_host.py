@@ -1,0 +1,404 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Host time of one attention layer in an eager step: TurboQuant's backend
+against the calls FlashAttention makes for ``auto``.
+
+A step that no full CUDA graph covers (prefill chunks beside decode rows)
+runs each attention layer eagerly between the graph pieces. Where a layer's
+host work (Python, argument binding, launches) takes longer than its kernels,
+the GPU waits: the end-to-end profile's "gap" column. On high-load (500 x
+512 -> 128), k8v4's kernels took 215 µs per output step less GPU time than
+auto's, and its wall 8.5 ms more, all of it gap (results/e2e-20261124-100132.md).
+
+Per layer and step, on Qwen3-4B's attention shape (32/8 heads x 128), one
+mixed step (decode rows beside first prefill chunks) and one eager decode
+step:
+
+- ``host``: µs the host spends per call, measured while a sleeping kernel
+  keeps the GPU busy, so no call waits on the GPU;
+- ``gpu``: µs of GPU time per call, from events around the same calls (the
+  GPU runs them back to back after the sleep);
+- TurboQuant: the metadata build (once per step, shared by the layers), the
+  cache update and the forward; auto: ``reshape_and_cache_flash`` and one
+  ``flash_attn_varlen_func`` over the paged cache, as its backend calls them.
+
+``--cprofile`` prints where the TurboQuant forward's host time goes.
+
+    python benchmarks/kernels/benchmark_turboquant_host.py
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HQ, HK, D, PAGE = 32, 8, 128, 16
+# Steps as the engine schedules them on high-load (500 x 512 -> 128,
+# max_num_batched_tokens 8192): decode rows at ~576 tokens of context beside
+# first chunks of 512-token prompts; and a decode batch outside the graphs.
+STEPS = {
+    "mixed": dict(decodes=448, context=576, prefills=15, prefill_len=512),
+    "decode": dict(decodes=512, context=576, prefills=0, prefill_len=0),
+}
+# GPU cycles the sleeping kernel spins (~60 ms on an H100 at 1.7 GHz): longer
+# than the host takes to enqueue CALLS calls of any configuration here.
+SLEEP_CYCLES = 100_000_000
+CALLS = 20
+# Rounds of CALLS calls; the medians are reported (host time varies by
+# +-15 % between rounds on a shared host).
+ROUNDS = 7
+
+
+def host_and_gpu_us(fn, calls: int = CALLS) -> tuple[float, float]:
+    """Median (host µs, GPU µs) per call of ``fn`` over ROUNDS rounds; the
+    first call is a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = [_round(fn, calls) for _ in range(ROUNDS)]
+    return (
+        statistics.median(h for h, _ in rounds),
+        statistics.median(g for _, g in rounds),
+    )
+
+
+def _round(fn, calls: int) -> tuple[float, float]:
+    sleep_us = _sleep_us()
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    if host * 1e6 > 0.8 * sleep_us:
+        # The GPU may have drained the queue and waited: its time is not
+        # kernel time then.
+        raise RuntimeError(
+            f"{calls} calls took {host * 1e6:,.0f} µs of host time, more than the "
+            f"{sleep_us:,.0f} µs sleep covers; raise SLEEP_CYCLES"
+        )
+    return host * 1e6 / calls, start.elapsed_time(end) * 1e3 / calls
+
+
+_sleep_cache: list[float] = []
+
+
+def _sleep_us() -> float:
+    """µs the sleeping kernel keeps this GPU busy."""
+    if not _sleep_cache:
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
+        start.record()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        end.record()
+        torch.cuda.synchronize()
+        _sleep_cache.append(start.elapsed_time(end) * 1e3)
+    return _sleep_cache[0]
+
+
+def _step_metadata(decodes, context, prefills, prefill_len, device):
+    """Common metadata of a step: decode rows first, each request on its own
+    pages; and the slot of every scheduled token."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_lens = [1] * decodes + [prefill_len] * prefills
+    seq_lens = [context] * decodes + [prefill_len] * prefills
+    pages = [math.ceil(s / PAGE) for s in seq_lens]
+    table = torch.zeros(len(q_lens), max(pages), dtype=torch.int32)
+    first = 1  # page 0 is vLLM's null block
+    for row, n in enumerate(pages):
+        table[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    slots = []
+    for row, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        pos = torch.arange(s - q, s)
+        slots.append(table[row, pos // PAGE].long() * PAGE + pos % PAGE)
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=cu.to(device),
+        query_start_loc_cpu=cu,
+        seq_lens=seq.to(device),
+        num_reqs=len(q_lens),
+        num_actual_tokens=sum(q_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=table.to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        seq_lens_cpu_upper_bound=seq,
+    )
+    return cam, first
+
+
+def _tq_layer(preset: str, num_pages: int, device):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
+        fp16_centroids,
+    )
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
+
+    with set_current_vllm_config(VllmConfig()):
+        impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
+    cfg = impl.tq_config
+    layer = torch.nn.Module()
+    layer._tq_centroids = fp16_centroids(D, cfg.centroid_bits).to(device)
+    # The engine's shared decode scratch (turboquant_verify_rows): 512 rows.
+    layer._tq_mid_o_buf = torch.empty(
+        512, HQ, impl.max_num_kv_splits, D + 1, device=device
+    )
+    layer._tq_output_buf = torch.empty(512, HQ, D, device=device)
+    layer._tq_lse_buf = torch.empty(512, HQ, device=device)
+    impl._ensure_on_device(layer, device)
+    cache = torch.zeros(
+        num_pages, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8, device=device
+    )
+    return impl, layer, cache
+
+
+def _tq_builder(group_tokens: int, device):
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadataBuilder
+
+    config = SimpleNamespace(
+        speculative_config=None,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=512, max_num_batched_tokens=group_tokens
+        ),
+        attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=32),
+    )
+    return TurboQuantMetadataBuilder(
+        kv_cache_spec=None,
+        layer_names=["model.layers.0.self_attn.attn"],
+        vllm_config=config,
+        device=device,
+    )
+
+
+def measure_turboquant(preset, step, device, profile_out=None) -> dict:
+    cam, num_pages = _step_metadata(**STEPS[step], device=device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    builder = _tq_builder(8192, device)
+    n = cam.num_actual_tokens
+    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(n, HK * D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(n, HK * D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    meta = builder.build(0, cam)
+
+    def update():
+        impl.do_kv_cache_update(
+            layer, k.view(n, HK, D), v.view(n, HK, D), cache, cam.slot_mapping
+        )
+
+    def forward():
+        impl.forward(layer, q, k, v, cache, meta, output=out)
+
+    row = dict(
+        build=host_and_gpu_us(lambda: builder.build(0, cam)),
+        update=host_and_gpu_us(update),
+        forward=host_and_gpu_us(forward),
+    )
+    if profile_out is not None:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(CALLS):
+            forward()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        profile_out.write(f"\n## {preset} {step}: forward x {CALLS}\n{text.getvalue()}")
+    return row
+
+
+def measure_auto(step, device) -> dict:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    cam, num_pages = _step_metadata(**STEPS[step], device=device)
+    n = cam.num_actual_tokens
+    kv = torch.zeros(2, num_pages, PAGE, HK, D, device=device, dtype=torch.bfloat16)
+    q = torch.randn(n, HQ, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    one = torch.ones((), device=device)
+    version = get_flash_attn_version()
+
+    def update():
+        ops.reshape_and_cache_flash(
+            k, v, kv[0], kv[1], cam.slot_mapping, "auto", one, one
+        )
+
+    def forward():
+        flash_attn_varlen_func(
+            q=q,
+            k=kv[0],
+            v=kv[1],
+            out=out,
+            cu_seqlens_q=cam.query_start_loc,
+            max_seqlen_q=cam.max_query_len,
+            seqused_k=cam.seq_lens,
+            max_seqlen_k=cam.max_seq_len,
+            softmax_scale=D**-0.5,
+            causal=True,
+            block_table=cam.block_table_tensor,
+            fa_version=version,
+        )
+
+    return dict(update=host_and_gpu_us(update), forward=host_and_gpu_us(forward))
+
+
+def launch_breakdown(preset: str, device) -> dict:
+    """Host µs of one Gluon stage 1 launch, by part: Triton's JIT launch, its
+    argument binder, its cache key, and a launch of the compiled kernel that
+    skips both (the arguments captured from a decode step of 16 rows)."""
+    from triton.runtime.jit import compute_cache_key
+
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    captured = {}
+
+    def runner(kernel, grid, args, constexprs):
+        captured.update(kernel=kernel, grid=grid, args=args, constexprs=constexprs)
+        kernel[grid](*args, **constexprs, num_warps=constexprs["W"])
+
+    cam, num_pages = _step_metadata(16, 576, 0, 0, device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    meta = _tq_builder(8192, device).build(0, cam)
+    q = torch.randn(16, HQ * D, device=device, dtype=torch.bfloat16)
+    old, splitkv._gluon_runner = splitkv._gluon_runner, runner
+    try:
+        impl.forward(layer, q, q, q, cache, meta, output=torch.empty_like(q))
+    finally:
+        splitkv._gluon_runner = old
+    torch.cuda.synchronize()
+    kernel, grid = captured["kernel"], captured["grid"]
+    args, kw = captured["args"], dict(captured["constexprs"])
+    kw["num_warps"] = kw["W"]
+    dev = torch.cuda.current_device()
+    _, key_cache, _, _, binder = kernel.device_caches[dev]
+    compiled = kernel[grid](*args, **kw)
+    bound, spec, options = binder(*args, **kw)
+    direct = compiled[grid]
+    values = list(bound.values())
+    parts = dict(
+        jit_launch=lambda: kernel[grid](*args, **kw),
+        binder=lambda: binder(*args, **kw),
+        cache_key=lambda: compute_cache_key(key_cache, spec, options),
+        compiled_launch=lambda: direct(*values),
+    )
+    return {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
+
+
+def markdown(device_name: str, rows: list[dict]) -> str:
+    out = [
+        f"# Host time per attention layer, eager steps ({device_name})",
+        "",
+        f"µs per call, medians of {ROUNDS} rounds of {CALLS} calls; host measured "
+        "while the GPU sleeps, GPU from events over the same calls. Qwen3-4B "
+        f"attention (32/8 x 128), pages of {PAGE}. Steps: "
+        + "; ".join(
+            f"{name} = {s['decodes']} decode rows x {s['context']}"
+            + (
+                f" + {s['prefills']} first chunks x {s['prefill_len']}"
+                if s["prefills"]
+                else ""
+            )
+            for name, s in STEPS.items()
+        ),  # fmt: skip
+        "",
+        "| KV | step | build host | update host / gpu | forward host / gpu "
+        "| layer host - gpu |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        build = f"{r['build'][0]:,.0f}" if "build" in r else "-"
+        uh, ug = r["update"]
+        fh, fg = r["forward"]
+        out.append(
+            f"| {r['kv']} | {r['step']} | {build} | {uh:,.0f} / {ug:,.0f} "
+            f"| {fh:,.0f} / {fg:,.0f} | {uh + fh - ug - fg:+,.0f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=["turboquant_k8v4", "turboquant_4bit_nc"],
+    )
+    parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    parser.add_argument(
+        "--cprofile", action="store_true", help="print the forward's hot spots"
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "benchmark_turboquant_host.py needs a CUDA GPU: it times CUDA "
+            "launches, and torch.cuda.is_available() is False; run it on a GPU "
+            "host",
+            file=sys.stderr,
+        )
+        return 1
+    device = torch.device("cuda")
+    out_dir = Path(args.out or REPO / "benchmarks" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof = io.StringIO() if args.cprofile else None
+    launch = {p: launch_breakdown(p, device) for p in args.presets}
+    rows = []
+    for step in args.steps:
+        rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
+        for preset in args.presets:
+            rows.append(
+                dict(
+                    kv=preset,
+                    step=step,
+                    **measure_turboquant(preset, step, device, prof),
+                )
+            )
+    name = torch.cuda.get_device_name()
+    md = markdown(name, rows)
+    md += "\nHost µs of one stage 1 launch (16 decode rows), by part:\n\n"
+    md += "| KV | " + " | ".join(next(iter(launch.values()))) + " |\n"
+    md += "|---" * (1 + len(next(iter(launch.values())))) + "|\n"
+    for p, parts in launch.items():
+        md += f"| {p} | " + " | ".join(f"{v:.1f}" for v in parts.values()) + " |\n"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (out_dir / f"host-{stamp}.json").write_text(
+        json.dumps(dict(device=name, steps=STEPS, rows=rows, launch=launch), indent=1)
+    )
+    (out_dir / f"host-{stamp}.md").write_text(
+        md + (f"\n## cProfile\n```\n{prof.getvalue()}```\n" if prof else "")
+    )
+    print(md)
+    if prof is not None:
+        print(prof.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The host-time benchmark (benchmarks/kernels/benchmark_turboquant_host.py)
+without a GPU: the steps it builds, its table, and its refusal to time on a
+machine without CUDA."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench():
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.kernels import benchmark_turboquant_host as bench
+    finally:
+        sys.path.remove(str(REPO))
+    return bench
+
+
+def test_a_mixed_step_puts_decode_rows_first_on_pages_of_their_own(bench):
+    cam, num_pages = bench._step_metadata(3, 40, 2, 20, torch.device("cpu"))
+    assert cam.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 23, 43]
+    assert cam.seq_lens.tolist() == [40, 40, 40, 20, 20]
+    assert (cam.max_query_len, cam.max_seq_len) == (20, 40)
+    table = cam.block_table_tensor
+    used = [
+        table[r, : -(-s // bench.PAGE)].tolist()
+        for r, s in enumerate([40] * 3 + [20] * 2)
+    ]
+    pages = [p for row in used for p in row]
+    assert 0 not in pages and len(set(pages)) == len(pages) == num_pages - 1
+    # A decode row writes its last position; a first chunk every position.
+    slots = cam.slot_mapping.tolist()
+    assert slots[0] == used[0][39 // bench.PAGE] * bench.PAGE + 39 % bench.PAGE
+    chunk = [used[3][p // bench.PAGE] * bench.PAGE + p % bench.PAGE for p in range(20)]
+    assert slots[3:23] == chunk
+
+
+def test_the_table_shows_host_time_beyond_the_gpu_per_layer(bench):
+    rows = [
+        dict(kv="auto", step="decode", update=(19.0, 5.0), forward=(59.0, 428.0)),
+        dict(
+            kv="turboquant_k8v4",
+            step="decode",
+            build=(3.0, 0.0),
+            update=(62.0, 6.0),
+            forward=(145.0, 206.0),
+        ),
+    ]
+    md = bench.markdown("H100", rows)
+    assert "| auto | decode | - | 19 / 5 | 59 / 428 | -355 |" in md
+    assert "| turboquant_k8v4 | decode | 3 | 62 / 6 | 145 / 206 | -5 |" in md
+
+
+def test_without_cuda_it_says_so_and_times_nothing(
+    bench, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path)]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_documented_command_runs_from_the_repo_root_and_needs_a_gpu(tmp_path):
+    # benchmarks/README.md's command, as written, on a machine without a GPU.
+    out = subprocess.run(
+        [sys.executable, "benchmarks/kernels/benchmark_turboquant_host.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path)),
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "needs a CUDA GPU" in out.stderr
+    assert list(tmp_path.iterdir()) == []
