@@ -174,6 +174,10 @@ def _tq_layer(preset: str, num_pages: int, device):
 
 
 def _tq_builder(group_tokens: int, device):
+    """The backend's metadata builder on the engine's figures (512 sequences,
+    32 splits, the layer's device). The prefill-batch test's builder has the
+    same shape on CPU figures; timed with it on an H100, the mixed step's
+    forward waited out the whole sleep (a host sync; not traced)."""
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantMetadataBuilder
 
     config = SimpleNamespace(

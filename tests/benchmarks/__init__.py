@@ -1,0 +1,17 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+import importlib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def import_benchmark(name: str):
+    """A script under benchmarks/ as a module (``benchmarks.kernels.X``),
+    imported from this checkout."""
+    sys.path.insert(0, str(REPO))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO))

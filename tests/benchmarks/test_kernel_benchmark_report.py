@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks import import_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.kernels import benchmark_turboquant_decode as bench
-    finally:
-        sys.path.remove(str(REPO))
-    return bench
+    return import_benchmark("benchmarks.kernels.benchmark_turboquant_decode")
 
 
 META = dict(

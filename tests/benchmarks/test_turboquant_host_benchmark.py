@@ -12,17 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.benchmarks import import_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def bench():
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.kernels import benchmark_turboquant_host as bench
-    finally:
-        sys.path.remove(str(REPO))
-    return bench
+    return import_benchmark("benchmarks.kernels.benchmark_turboquant_host")
 
 
 def test_a_mixed_step_puts_decode_rows_first_on_pages_of_their_own(bench):
