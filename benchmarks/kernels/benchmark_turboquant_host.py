@@ -315,7 +315,7 @@ def launch_breakdown(preset: str, device) -> dict:
     return {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
 
 
-def markdown(device_name: str, rows: list[dict]) -> str:
+def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
         "",
@@ -344,6 +344,19 @@ def markdown(device_name: str, rows: list[dict]) -> str:
             f"| {r['kv']} | {r['step']} | {build} | {uh:,.0f} / {ug:,.0f} "
             f"| {fh:,.0f} / {fg:,.0f} | {uh + fh - ug - fg:+,.0f} |"
         )
+    if launch:
+        parts = list(next(iter(launch.values())))
+        out += [
+            "",
+            "Host µs of one stage 1 launch (16 decode rows), by part:",
+            "",
+            "| KV | " + " | ".join(parts) + " |",
+            "|---" * (1 + len(parts)) + "|",
+        ]
+        for preset, us in launch.items():
+            out.append(
+                f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -385,19 +398,18 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows)
-    md += "\nHost µs of one stage 1 launch (16 decode rows), by part:\n\n"
-    md += "| KV | " + " | ".join(next(iter(launch.values()))) + " |\n"
-    md += "|---" * (1 + len(next(iter(launch.values())))) + "|\n"
-    for p, parts in launch.items():
-        md += f"| {p} | " + " | ".join(f"{v:.1f}" for v in parts.values()) + " |\n"
+    md = markdown(name, rows, launch)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    (out_dir / f"host-{stamp}.json").write_text(
-        json.dumps(dict(device=name, steps=STEPS, rows=rows, launch=launch), indent=1)
+    payload = json.dumps(
+        dict(device=name, steps=STEPS, rows=rows, launch=launch), indent=1
     )
-    (out_dir / f"host-{stamp}.md").write_text(
-        md + (f"\n## cProfile\n```\n{prof.getvalue()}```\n" if prof else "")
-    )
+    text = md + (f"\n## cProfile\n```\n{prof.getvalue()}```\n" if prof else "")
+    # As the e2e harness writes its results: each file whole or not at all.
+    for suffix, content in ((".json", payload), (".md", text)):
+        final = out_dir / f"host-{stamp}{suffix}"
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.write_text(content)
+        os.replace(tmp, final)
     print(md)
     if prof is not None:
         print(prof.getvalue())

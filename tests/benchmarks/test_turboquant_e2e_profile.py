@@ -4,24 +4,17 @@
 engine logs it keeps, how it hands a scenario's requests to the engine, and
 how it sums up repeats."""
 
-import importlib.util
 import subprocess
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-HARNESS = (
-    Path(__file__).resolve().parents[2] / "benchmarks/e2e/benchmark_turboquant_e2e.py"
-)
+from tests.benchmarks import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("turboquant_e2e", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_benchmark("benchmarks.e2e.benchmark_turboquant_e2e")
 
 
 @pytest.mark.parametrize(
