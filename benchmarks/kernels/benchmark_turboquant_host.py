@@ -362,10 +362,13 @@ def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS
+
     parser.add_argument(
         "--presets",
         nargs="+",
         default=["turboquant_k8v4", "turboquant_4bit_nc"],
+        choices=list(TQ_PRESETS),
     )
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument(

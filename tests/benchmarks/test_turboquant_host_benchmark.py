@@ -79,3 +79,12 @@ def test_the_documented_command_runs_from_the_repo_root_and_needs_a_gpu(tmp_path
     assert out.returncode == 1, out.stderr[-2000:]
     assert "needs a CUDA GPU" in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_preset_is_named_before_anything_runs(bench, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--presets", "turboquant_5bit"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'turboquant_5bit'" in err
+    assert "turboquant_k8v4" in err  # the valid ones
