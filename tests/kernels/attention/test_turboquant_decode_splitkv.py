@@ -429,6 +429,23 @@ def test_gluon_split_count_fills_whole_waves():
     assert n(256, 8, 1, 132, 128) == 1
 
 
+def test_gluon_split_count_does_not_split_a_full_batch():
+    # From 1.5 waves of one program per (row, KV head) rows are short (the KV
+    # cache bounds rows x context) and a split costs about what its tokens
+    # do: 500 x 576 on Qwen3-4B took 209 / 290 us at one split and 364 / 531
+    # us at the 5 the wave model alone chose (k8v4 / 4bit_nc, H100).
+    n = splitkv.gluon_num_splits
+    assert n(500, 8, 1, 132, 32) == 1
+    assert n(300, 8, 1, 132, 32) == 1
+    assert n(198, 8, 1, 132, 32) == 1  # 1,584 programs: 1.5 waves of 1,056
+    assert n(500, 4, 2, 132, 32) == 1  # Qwen3.6-27B: 528 two-warp slots
+    # Below it the wave model still splits: 160 x 8192 (1.2 waves) took
+    # 1,189 us at one split and 879 at 9.
+    assert n(197, 8, 1, 132, 32) == 2
+    assert n(160, 8, 1, 132, 32) == 9
+    assert n(140, 8, 1, 132, 32) == 16
+
+
 def test_scratch_holds_more_splits_in_its_spare_rows():
     buf = torch.empty(8, 4, 32, 129)  # the backend's shape: 8 rows x 32 splits
     assert splitkv.scratch_splits(buf, 8, 4, 128) == 32

@@ -81,6 +81,15 @@ GLUON_MAX_SPLIT_DIMS = 128 * 128
 # the whole context. 16 x 8K on Qwen3-4B took 10 us longer at 32 splits (4
 # waves) than at 16 (2 waves) on an H100, ~1/256 of a 1.2 ms pass per wave.
 GLUON_PROGRAM_COST = Fraction(1, 256)
+# From this many waves of one program per (row, KV head), the Gluon stage 1
+# does not split. A batch that large holds short rows (the KV cache bounds
+# rows x context), and there a split costs about what its tokens do: each
+# program's prologue, its partial result and the merge. 500 x 576 on Qwen3-4B
+# (3.8 waves) took 209 / 290 us at one split and 364 / 531 us at the 5 the
+# wave model chose (k8v4 / 4bit_nc, H100; benchmarks/NOTES.md, "Release 17").
+# Below it rows can be long and the idle part of the last wave large: 160 x
+# 8192 (1.2 waves) took 1,189 us at one split and 879 at 9.
+GLUON_ONE_SPLIT_WAVES = Fraction(3, 2)
 # Below this many warps per SM at the largest split count, the Triton stage 1
 # (its 4-warp programs fill the SMs with fewer splits). 1 x 32K Qwen3-4B on an
 # H100: 32 splits (1.9 warps/SM) 86 / 144 us (k8v4 / 4bit_nc) vs Triton's
@@ -221,11 +230,14 @@ def gluon_num_splits(
     splits is 2,176 one-warp programs for 1,056 slots, three waves of 482
     tokens where 16 splits take two of 512 (205 vs 157 us on an H100). The
     count is the one with the least waves x (tokens per program + a fixed
-    cost per program, ``GLUON_PROGRAM_COST``); among equals the fewest.
+    cost per program, ``GLUON_PROGRAM_COST``); among equals the fewest. One
+    split from ``GLUON_ONE_SPLIT_WAVES`` waves of one program per row.
     Depends on shapes and the device only, as ``num_kv_splits``.
     """
     slots = max(sms * GLUON_WARPS_PER_SM // warps_per_program, 1)
     programs = max(batch * num_kv_heads, 1)
+    if programs >= GLUON_ONE_SPLIT_WAVES * slots:
+        return 1
 
     def cost(splits: int) -> Fraction:
         waves = -(-(programs * splits) // slots)
