@@ -80,8 +80,9 @@ SWEEP_CASES = [CASES[1], CASES[4]]
 # Split counts of the default stage 1 (0: its own count, from the wave
 # model of gluon_num_splits), over the backend's scratch, whose spare rows
 # hold counts past 32 at small batches. With a register cap (0: none) for
-# the Gluon stage 1: uncapped it runs 8 warps per SM at 215-255 registers;
-# a cap of 168 fits 12 but spilled, 8-50 % slower everywhere (release 10).
+# the Gluon stage 1: release 10's kernel ran 8 warps per SM uncapped
+# (215-255 registers), and a cap of 168 spilled, 8-50 % slower everywhere;
+# since release 18 it takes 166-168 registers at head_dim 128 uncapped.
 SPLIT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SPLIT_POINTS = [(0, 0), (4, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
 SPLIT_POINTS += [(0, 168)]

@@ -232,6 +232,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         cfg.key_mse_bits,
         cfg.key_packed_size,
         cfg.norm_correction,
+        cfg.slot_size_aligned,
         arch,
         value_bits=cfg.value_quant_bits,
         key_tails=tails,

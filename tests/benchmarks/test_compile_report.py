@@ -78,3 +78,42 @@ def test_compile_report_names_a_head_dim_it_has_no_case_for():
     assert (
         "--head-dims: invalid choice: 100 (choose from 64, 128, 256, 512)" in out.stderr
     )
+
+
+def test_gluon_resident_programs_are_the_compiled_kernels():
+    """The Gluon stage 1's split counts assume ``RESIDENT_PROGRAMS`` per SM,
+    never more than the compile report's programs per SM (from ptxas's
+    register counts), for every preset and head_dim: splits sized for
+    programs that cannot be resident run in waves the model does not count.
+    A new Triton or a kernel change that adds registers turns this red;
+    update the table from the report."""
+    pytest.importorskip("triton.experimental.gluon")
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon_decode
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, str(REPORT), "--gluon", "--head-dims", "128", "256", "512"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    found = {
+        (r[0], int(r[1])): int(r[5]) for r in rows if r and r[0].startswith("turbo")
+    }
+    assert len(found) == 12, out.stdout
+    table = {}
+    for preset, head_dim in found:
+        cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
+        key = cfg.key_fp8, cfg.key_mse_bits, cfg.value_quant_bits
+        warps = gluon_decode.resident_warps(head_dim, *key)
+        table[preset, head_dim] = warps // (head_dim // gluon_decode.SLICE)
+    over = {k: (table[k], found[k]) for k in found if table[k] > found[k]}
+    assert not over, f"assumed vs resident programs per SM: {over}"
+    # Where the table assumes fewer (3-bit values at head_dim 256 and 512,
+    # measured faster at 8 warps), say so here, so that a change is seen.
+    under = {k for k in found if table[k] < found[k]}
+    assert under == {("turboquant_3bit_nc", 256), ("turboquant_3bit_nc", 512)}

@@ -165,6 +165,7 @@ def _language(pid) -> types.SimpleNamespace:
         exp2=lambda x: _t(np.exp2(x)),
         log2=lambda x: _t(np.log2(x)),
         sqrt=lambda x: _t(np.sqrt(x)),
+        rsqrt=lambda x: _t((1 / np.sqrt(np.asarray(x, np.float64))).astype(np.float32)),
         sum=lambda x, axis: _t(np.sum(x, axis=axis, dtype=np.asarray(x).dtype)),
         max=lambda x, axis: _t(np.max(x, axis=axis)),
         reshape=lambda x, shape: _t(np.reshape(np.asarray(x), shape)),

@@ -267,41 +267,98 @@ def test_the_running_max_moves_where_scores_outgrow_it(
     assert gluon_on_numpy
 
 
+def _gram_fault(fault: str):
+    """An ``mma_v2`` model that faults the key Gram dots (the ones whose A
+    operand is the B operand's transpose): it drops every fourth chunk, or
+    the dimensions of warps past the first."""
+    grams = []
+
+    def mma(a, b, acc, input_precision=None):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.array_equal(a, b.transpose(0, 2, 1)):
+            grams.append(None)
+            if "chunk" in fault and len(grams) % 4 == 0:
+                return gluon_numpy._t(np.asarray(acc))
+            if "warps" in fault:
+                b = b.copy()
+                b[1:] = 0
+        return gluon_numpy.MODELS["mma_v2"](a, b, acc, input_precision)
+
+    return mma
+
+
 @pytest.mark.parametrize(
     ("preset", "head_dim", "fault"),
     [
         ("turboquant_4bit_nc", 128, None),
+        ("turboquant_4bit_nc", 256, None),
         ("turboquant_k3v4_nc", 256, None),
+        ("turboquant_3bit_nc", 512, None),
         ("turboquant_4bit_nc", 128, "tails skipped where centroids have them"),
+        ("turboquant_4bit_nc", 128, "key Gram misses a chunk"),
+        ("turboquant_4bit_nc", 256, "key Gram misses the other warps"),
     ],
 )
 def test_fp16_centroids_take_one_dot_per_chunk(
     triton_interpret, monkeypatch, preset, head_dim, fault
 ):
     """Centroids that are fp16 values have zero tails: the stage 1 skips
-    their lookup and dot and still matches float64. Skipping them for
-    centroids that are not fp16 values moves scores by ~2**-12 (red)."""
-    fp16 = fault is None
+    their lookup and dot, takes the keys' squared norms (norm correction)
+    from the diagonal of their Gram matrix on the tensor cores, and still
+    matches float64. Skipping the tails for centroids that are not fp16
+    values moves scores by ~2**-12 (red), and so does a Gram that misses a
+    chunk of dimensions or another warp's slice."""
+    fp16 = fault is None or "Gram" in fault
     if fp16:
         _fp16_levels(monkeypatch)
     else:
         monkeypatch.setattr(gluon_decode, "key_tails", lambda centroids: False)
     tails = []
-    run = gluon_numpy.runner()
+    models = {"mma_v2": _gram_fault(fault)} if fault and "Gram" in fault else {}
+    run = gluon_numpy.runner(models)
 
     def runner(kernel, grid, args, constexprs):
         tails.append(constexprs["TAILS"])
+        assert constexprs["GRAM"] and not constexprs["SQUARES"]
         run(kernel, grid, args, constexprs)
 
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
     monkeypatch.setattr(splitkv, "_gluon_runner", runner)
     monkeypatch.setattr(gluon_decode, "_tables", {})
-    if fp16:
+    if fault is None:
         _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
     else:
         with pytest.raises(AssertionError, match="max error"):
             _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
     assert tails == [False]
+
+
+@pytest.mark.parametrize("fault", [None, "the first cache's token stride kept"])
+def test_each_cache_compiles_with_its_own_token_stride(
+    triton_interpret, gluon_on_numpy, monkeypatch, fault
+):
+    """The token stride is a constant of the compiled stage 1 (its loads take
+    it as immediates), so it must come from each cache: 1 KV head, then 2
+    a slot apart. Kept from the first cache, the second reads other tokens'
+    words (red)."""
+    if fault:
+        real, first = gluon_decode._constexprs, []
+
+        def stale(*args):
+            first.append(args[-1])
+            return real(*args[:-1], first[0])
+
+        monkeypatch.setattr(gluon_decode, "_constexprs", stale)
+    _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45], num_kv_heads=1)
+    second = lambda: _run(  # noqa: E731
+        triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], num_kv_heads=2
+    )
+    if fault:
+        with pytest.raises(AssertionError, match="max error"):
+            second()
+    else:
+        second()
+    assert len(gluon_on_numpy) == 2
 
 
 def _decode_table(table: torch.Tensor):
@@ -532,6 +589,7 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
         cfg.key_mse_bits,
         cfg.key_packed_size,
         cfg.norm_correction,
+        cfg.slot_size_aligned,
         value_bits=cfg.value_quant_bits,
         key_tails=key_tails,
     )

@@ -417,16 +417,20 @@ def test_gluon_split_count_fills_whole_waves():
     # 132 SMs x 8 resident warps: 1,056 one-warp programs per wave (head_dim
     # 128), 528 two-warp ones (256), 264 four-warp ones (512).
     n = splitkv.gluon_num_splits
-    assert n(16, 8, 1, 132, 128) == 8  # 1,024 programs, one wave; 17 took 3
-    assert n(1, 8, 1, 132, 128) == 128  # the cap
-    assert n(1, 8, 1, 132, 32) == 32
-    assert n(64, 8, 1, 132, 128) == 2
-    assert n(16, 4, 2, 132, 64) == 8
-    assert n(4, 4, 4, 132, 32) == 16
-    assert n(16, 4, 4, 132, 32) == 4
+    assert n(16, 8, 1, 132, 128, 8) == 8  # 1,024 programs, one wave; 17 took 3
+    assert n(1, 8, 1, 132, 128, 8) == 128  # the cap
+    assert n(1, 8, 1, 132, 32, 8) == 32
+    assert n(64, 8, 1, 132, 128, 8) == 2
+    assert n(16, 4, 2, 132, 64, 8) == 8
+    assert n(4, 4, 4, 132, 32, 8) == 16
+    assert n(16, 4, 4, 132, 32, 8) == 4
     # 600 programs: four waves of a seventh of the context beat one of all.
-    assert n(75, 8, 1, 132, 128) == 7
-    assert n(256, 8, 1, 132, 128) == 1
+    assert n(75, 8, 1, 132, 128, 8) == 7
+    assert n(256, 8, 1, 132, 128, 8) == 1
+    # 12 resident warps (166-168 registers): 1,584 one-warp programs a wave.
+    assert n(16, 8, 1, 132, 128, 12) == 12  # 1,536 programs, one wave
+    assert n(64, 8, 1, 132, 128, 12) == 3
+    assert n(16, 4, 2, 132, 64, 12) == 12
 
 
 def test_gluon_split_count_does_not_split_a_full_batch():
@@ -435,15 +439,15 @@ def test_gluon_split_count_does_not_split_a_full_batch():
     # do: 500 x 576 on Qwen3-4B took 209 / 290 us at one split and 364 / 531
     # us at the 5 the wave model alone chose (k8v4 / 4bit_nc, H100).
     n = splitkv.gluon_num_splits
-    assert n(500, 8, 1, 132, 32) == 1
-    assert n(300, 8, 1, 132, 32) == 1
-    assert n(198, 8, 1, 132, 32) == 1  # 1,584 programs: 1.5 waves of 1,056
-    assert n(500, 4, 2, 132, 32) == 1  # Qwen3.6-27B: 528 two-warp slots
+    assert n(500, 8, 1, 132, 32, 8) == 1
+    assert n(300, 8, 1, 132, 32, 8) == 1
+    assert n(198, 8, 1, 132, 32, 8) == 1  # 1,584 programs: 1.5 waves of 1,056
+    assert n(500, 4, 2, 132, 32, 8) == 1  # Qwen3.6-27B: 528 two-warp slots
     # Below it the wave model still splits: 160 x 8192 (1.2 waves) took
     # 1,189 us at one split and 879 at 9.
-    assert n(197, 8, 1, 132, 32) == 2
-    assert n(160, 8, 1, 132, 32) == 9
-    assert n(140, 8, 1, 132, 32) == 16
+    assert n(197, 8, 1, 132, 32, 8) == 2
+    assert n(160, 8, 1, 132, 32, 8) == 9
+    assert n(140, 8, 1, 132, 32, 8) == 16
 
 
 def test_scratch_holds_more_splits_in_its_spare_rows():

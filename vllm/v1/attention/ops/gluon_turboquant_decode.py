@@ -90,6 +90,46 @@ def serves(
     )
 
 
+# Programs of this stage 1 the split count assumes one SM holds, by
+# (head_dim, key: "fp8" or MSE bits, value bits). At most what its registers
+# per thread allow, allocated 8 at a time, over an SM's 65,536 (ptxas for
+# sm_90 from Triton 3.6; shared memory does not bind): the compile report
+# (benchmarks/kernels/compile_report_turboquant_decode.py --gluon) prints
+# those, and its test holds this table to them. 166-168 registers fit 12
+# one-warp programs; 8 warps were assumed while it took 214-246. 3-bit values
+# at head_dim 256 and 512 stay at 8 warps: their registers allow 5 and 3
+# programs, but split for 10 and 12 warps they ran 1.4x and 1.1x slower at
+# 16 x 8K (H100; benchmarks/NOTES.md, "Release 18").
+RESIDENT_PROGRAMS: Mapping[tuple[int, str | int, int], int] = MappingProxyType(
+    {
+        (128, "fp8", 4): 12,
+        (256, "fp8", 4): 6,
+        (512, "fp8", 4): 3,
+        (128, 4, 4): 12,
+        (256, 4, 4): 4,
+        (512, 4, 4): 2,
+        (128, 3, 4): 12,
+        (256, 3, 4): 4,
+        (512, 3, 4): 2,
+        (128, 3, 3): 12,
+        (256, 3, 3): 4,
+        (512, 3, 3): 2,
+    }
+)
+# Where the table has no entry (a layout no preset uses): 8 warps, as the
+# 255-register bound allows.
+DEFAULT_RESIDENT_WARPS = 8
+
+
+def resident_warps(head_dim: int, key_fp8: bool, mse_bits: int, value_bits: int) -> int:
+    """Warps of this stage 1 one SM runs at once (``RESIDENT_PROGRAMS``)."""
+    key = (head_dim, "fp8" if key_fp8 else mse_bits, value_bits)
+    programs = RESIDENT_PROGRAMS.get(key)
+    if programs is None:
+        return DEFAULT_RESIDENT_WARPS
+    return programs * (head_dim // SLICE)
+
+
 def _log2(x: int) -> int:
     return x.bit_length() - 1
 
@@ -648,7 +688,7 @@ def _stage1(
     stride_qb,
     stride_qh,
     stride_cb,  # cache strides in load units
-    stride_cp,
+    stride_cp,  # not read: STRIDE_CP
     stride_ch,
     stride_btb,
     stride_ob,
@@ -657,13 +697,21 @@ def _stage1(
     stride_mh,
     stride_ms,
     SPLIT: gl.constexpr,  # num_splits > 1: partial results go to Mid
+    # stride_cp as a constant (it is fixed per layer): a tile's word offsets
+    # become immediates of its loads. Unspecialized, every load computed its
+    # own 64-bit address (~60 instructions a tile).
+    STRIDE_CP: gl.constexpr,
     MIN_TOKENS: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     PAGE: gl.constexpr,
     GROUP: gl.constexpr,
     KEY_FP8: gl.constexpr,
-    NORM_CORRECTION: gl.constexpr,
     TAILS: gl.constexpr,  # MSE keys whose centroids are not all fp16 values
+    # The norm correction's squared key norms (MSE keys): from the table's
+    # fixed-point squares (SQUARES, where centroids have tails), else from
+    # the heads' Gram matrix on the tensor cores (GRAM).
+    SQUARES: gl.constexpr,
+    GRAM: gl.constexpr,
     NORM16: gl.constexpr,  # u16 offset of the key norm (MSE keys)
     VOFF16: gl.constexpr,  # u16 offset of the value field
     W: gl.constexpr,
@@ -741,8 +789,8 @@ def _stage1(
 
     bt_row = Block_table_ptr + row * stride_btb
     head_off = kv_head.to(gl.int64) * stride_ch
-    offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, stride_cp, 0)
-    offv, vin = _field_offsets(LDV, VW16 // U, W, V3, stride_cp, VOFF16 // U)
+    offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, STRIDE_CP, 0)
+    offv, vin = _field_offsets(LDV, VW16 // U, W, V3, STRIDE_CP, VOFF16 // U)
     ns = gl.arange(0, 16, layout=COL)
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
@@ -761,19 +809,30 @@ def _stage1(
         t5 = gl.load(Table_ptr + 5)
         t6 = gl.load(Table_ptr + 6)
         t7 = gl.load(Table_ptr + 7)
-        t8 = gl.load(Table_ptr + 8)
-        t9 = gl.load(Table_ptr + 9)
-        t10 = gl.load(Table_ptr + 10)
-        t11 = gl.load(Table_ptr + 11)
-        t12 = gl.load(Table_ptr + 12)
-        t13 = gl.load(Table_ptr + 13)
-        sq_scale = gl.load(Table_ptr + 14).to(gl.float32, bitcast=True)
-        qk_scale = qk_scale * gl.load(Table_ptr + 15).to(gl.float32, bitcast=True)
+        if SQUARES:
+            t8 = gl.load(Table_ptr + 8)
+            t9 = gl.load(Table_ptr + 9)
+            t10 = gl.load(Table_ptr + 10)
+            t11 = gl.load(Table_ptr + 11)
+            t12 = gl.load(Table_ptr + 12)
+            t13 = gl.load(Table_ptr + 13)
+            sq_scale = gl.load(Table_ptr + 14).to(gl.float32, bitcast=True)
+        if not GRAM:
+            # Scores from scaled heads, scaled back. The Gram norms are of
+            # the same scaled heads, so there the scale cancels.
+            qk_scale = qk_scale * gl.load(Table_ptr + 15).to(gl.float32, bitcast=True)
+
+    if GRAM:  # the diagonal of a tile's key Gram matrix
+        rows_g = gl.arange(0, 16, layout=ROW)
+        eye = gl.expand_dims(
+            rows_g[:, None] == gl.arange(0, 16, layout=COL)[None, :], 0
+        )
+        zeros_g = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
 
     # The next tile's words are loaded before this one is computed (a
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
-        KV_ptr, bt_row, start, end, stride_cb, stride_cp, head_off,
+        KV_ptr, bt_row, start, end, stride_cb, STRIDE_CP, head_off,
         offk, kin, offv, vin, ns,
         PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
     )  # fmt: skip
@@ -806,13 +865,15 @@ def _stage1(
                 v16.store(gl.permute(gl.reshape(vw, [16, W, 32]), [1, 0, 2]))
         gl.thread_barrier()
         kw, vw, w0, w1, w2 = _tile_words(
-            KV_ptr, bt_row, tile + 16, end, stride_cb, stride_cp, head_off,
+            KV_ptr, bt_row, tile + 16, end, stride_cb, STRIDE_CP, head_off,
             offk, kin, offv, vin, ns,
             PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
         )  # fmt: skip
 
         # ---- scores: each warp over its slice, QC dimensions per chunk ----
         raw = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
+        if GRAM:
+            gram = zeros_g
         for c in gl.static_range(NCH):
             qc = q_smem.index(c).load(A_OP)
             kr = k_smem.slice(c * CW, CW, dim=3).load(KREG)
@@ -827,7 +888,16 @@ def _stage1(
                 ch = _key_operand(
                     _mse_centroids(sel, pos0, pos1, t0, t1, t2, t3), W, QC
                 )
-                raw = mma_v2(qc, gl.convert_layout(ch, B_OP, assert_trivial=True), raw)
+                kb = gl.convert_layout(ch, B_OP, assert_trivial=True)
+                raw = mma_v2(qc, kb, raw)
+                if GRAM:
+                    # The B operand of 16 tokens is, register for register,
+                    # the A operand of its transpose: K^T K on the tensor
+                    # cores, whose diagonal holds the squared norms.
+                    ka = gl.convert_layout(
+                        gl.permute(kb, [0, 2, 1]), A_OP, assert_trivial=True
+                    )
+                    gram = mma_v2(ka, kb, gram)
                 if TAILS:
                     cl = _key_operand(
                         _mse_centroids(sel, pos0, pos1, t4, t5, t6, t7), W, QC
@@ -835,16 +905,19 @@ def _stage1(
                     raw = mma_v2(
                         qc, gl.convert_layout(cl, B_OP, assert_trivial=True), raw
                     )
-                if NORM_CORRECTION:
+                if SQUARES:
                     sq = _mse_squares(sel, t8, t9, t10, t11, t12, t13)
                     if c == 0:
                         csq = sq
                     else:
                         csq += sq
-        if NORM_CORRECTION:  # MSE keys only; exact integer sums
+        if SQUARES:  # exact integer sums
             csq_t = gl.sum(gl.sum(gl.sum(csq, axis=3), axis=2), axis=0)
             csq_t = gl.convert_layout(csq_t, COL).to(gl.float32) * sq_scale
             factor = factor / gl.sqrt(csq_t + 1e-16)
+        if GRAM:  # products exact, sums in fp32
+            dsq = gl.sum(gl.sum(gl.where(eye, gram, 0.0), axis=1), axis=0)
+            factor = factor * gl.rsqrt(gl.convert_layout(dsq, COL) + 1e-30)
         s = gl.sum(raw, axis=0)  # across the warps' slices
         s8 = gl.sum(gl.reshape(s, [2, 8, 16]), axis=0)  # head + tail rows
         s = gl.reshape(gl.permute(gl.join(s8, s8), [2, 0, 1]), [16, 16])
@@ -927,17 +1000,22 @@ def _constexprs(
     min_split_tokens: int,
     value_bits: int,
     tails: bool,
+    stride_cp: int,
 ) -> Mapping[str, object]:
+    mse = not key_fp8
+    correct = mse and bool(norm_correction)
     return MappingProxyType(
         dict(
             SPLIT=split,
+            STRIDE_CP=stride_cp,
             MIN_TOKENS=min_split_tokens,
             HEAD_DIM=head_dim,
             PAGE=page,
             GROUP=group,
             KEY_FP8=bool(key_fp8),
-            NORM_CORRECTION=bool(norm_correction) and not key_fp8,
-            TAILS=bool(tails) and not key_fp8,
+            TAILS=mse and bool(tails),
+            SQUARES=correct and bool(tails),
+            GRAM=correct and not tails,
             NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
             VOFF16=key_packed_size // 2,
             **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
@@ -977,6 +1055,7 @@ def stage1(
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4).
     word32 = key_fp8 and words_aligned(kv_cache, 4)
+    unit = 4 if word32 else 2
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
     args = (
         q_in,
@@ -988,7 +1067,7 @@ def stage1(
         mid,
         qk_scale,
         num_splits,
-        *stage1_strides(q_in, kv_cache, 4 if word32 else 2, block_table, out, mid),
+        *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
     )
     constexprs = _constexprs(
         D,
@@ -1003,6 +1082,7 @@ def stage1(
         min_split_tokens,
         value_bits,
         key_tails,
+        kv_cache.stride(1) // unit,
     )
     grid = (num_splits, Hk, B)
     if runner is not None:
@@ -1018,13 +1098,15 @@ def static_compile(
     mse_bits: int,
     key_packed_size: int,
     norm_correction: bool,
+    slot_bytes: int,
     arch: int = 90,
     word32: bool | None = None,
     value_bits: int = 4,
     key_tails: bool = True,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
-    reports): bf16 queries and outputs, pages of 16 tokens, split."""
+    reports): bf16 queries and outputs, pages of 16 tokens of one KV head's
+    ``slot_bytes`` each, split."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1033,7 +1115,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits, key_tails,
+        word32, True, 256, value_bits, key_tails, slot_bytes // (4 if word32 else 2),
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",

@@ -69,10 +69,6 @@ def decode_mode(value: str) -> str:
 
 _MODE = decode_mode(os.environ.get("HYBRIDKV_TQ_DECODE", ""))
 ENABLED = _MODE != "legacy"
-# Resident warps per SM of the Gluon stage 1 (programs of head_dim / 128
-# warps). It takes 215-255 registers per thread (ncu, release 9), allocated
-# per warp in units of 256, so an SM's 65,536 registers hold 8 of its warps.
-GLUON_WARPS_PER_SM = 8
 # Largest split count x head_dim of a Gluon decode: past it the merge's reads
 # of the partials cost more than the splits gain. On an H100, 1 x 32K
 # Qwen3-4B took 51 us at 128 splits and 128 us at 256 (release 10).
@@ -221,20 +217,26 @@ def num_kv_splits(batch: int, num_kv_heads: int, max_splits: int, sms: int) -> i
 
 @functools.cache
 def gluon_num_splits(
-    batch: int, num_kv_heads: int, warps_per_program: int, sms: int, max_splits: int
+    batch: int,
+    num_kv_heads: int,
+    warps_per_program: int,
+    sms: int,
+    max_splits: int,
+    warps_per_sm: int,
 ) -> int:
     """Context splits per (row, KV head) for the Gluon stage 1.
 
-    Its programs run in waves of ``GLUON_WARPS_PER_SM`` warps per SM, and a
-    partly filled wave takes as long as a full one: 16 x 8K on Qwen3-4B at 17
-    splits is 2,176 one-warp programs for 1,056 slots, three waves of 482
-    tokens where 16 splits take two of 512 (205 vs 157 us on an H100). The
+    Its programs run in waves of ``warps_per_sm`` resident warps per SM (the
+    kernel's ``resident_warps``), and a partly filled wave takes as long as a
+    full one: 16 x 8K on Qwen3-4B at 17 splits with 8 warps per SM is 2,176
+    one-warp programs for 1,056 slots, three waves of 482 tokens where 16
+    splits take two of 512 (205 vs 157 us on an H100). The
     count is the one with the least waves x (tokens per program + a fixed
     cost per program, ``GLUON_PROGRAM_COST``); among equals the fewest. One
     split from ``GLUON_ONE_SPLIT_WAVES`` waves of one program per row.
     Depends on shapes and the device only, as ``num_kv_splits``.
     """
-    slots = max(sms * GLUON_WARPS_PER_SM // warps_per_program, 1)
+    slots = max(sms * warps_per_sm // warps_per_program, 1)
     programs = max(batch * num_kv_heads, 1)
     if programs >= GLUON_ONE_SPLIT_WAVES * slots:
         return 1
@@ -1032,7 +1034,8 @@ def decode_attention(
             gluon = None
             table = None
         else:
-            num_splits = gluon_num_splits(B, Hk, warps, _num_sms(device), cap)
+            resident = gluon.resident_warps(D, key_fp8, mse_bits, value_quant_bits)
+            num_splits = gluon_num_splits(B, Hk, warps, _num_sms(device), cap, resident)
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
         num_splits = num_kv_splits(B, Hk, cap, _num_sms(device))
