@@ -15,11 +15,20 @@ step "test environment ($VENV): requirements/cpu-test.txt"
 stamp="$VENV/.hybridkv-requirements"
 want=$(cat requirements/cpu-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # No pip cache: a fresh machine never reads it back, and beside the CUDA build of torch
-  # (~3 GB of wheels, ~7 GB installed) it would raise the peak disk use by the download
-  # size again. CI once ran out of disk here.
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r requirements/cpu-test.txt 2>&1 \
-    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  pip_req() {
+    # An out-of-disk failure names no size: on failure, say what was free.
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$@" 2>&1 \
+      | { grep -v "is ignored: it is neither a file nor a directory" || true; } \
+      || { df -h "$VENV" "${TMPDIR:-/tmp}" >&2; return 1; }
+  }
+  # No pip cache: a fresh machine never reads it back. And the CUDA build of torch and
+  # its nvidia-* libraries (~3 GB of wheels, ~5 GB installed) go in one call each: pip
+  # keeps every downloaded wheel of a call until the call ends, so one call for the
+  # whole file held the downloads beside the ~7 GB install. CI ran out of disk there twice.
+  for req in $(grep -E '^(torch|triton|nvidia-[a-z0-9-]+)==' requirements/cpu-test.txt); do
+    pip_req --no-deps "$req"
+  done
+  pip_req -r requirements/cpu-test.txt
   # Editable: the tooling finds patches/ and the overlay through its own path.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
