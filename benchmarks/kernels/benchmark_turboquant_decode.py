@@ -79,13 +79,13 @@ QUICK_CASES = [CASES[0], CASES[1], CASES[4], ("Gemma4-31B-full", 32, 4, 512, 4, 
 SWEEP_CASES = [CASES[1], CASES[4]]
 # Split counts of the default stage 1 (0: its own count, from the wave
 # model of gluon_num_splits), over the backend's scratch, whose spare rows
-# hold counts past 32 at small batches. With a register cap (0: none) for
-# the Gluon stage 1: release 10's kernel ran 8 warps per SM uncapped
-# (215-255 registers), and a cap of 168 spilled, 8-50 % slower everywhere;
-# since release 18 it takes 166-168 registers at head_dim 128 uncapped.
+# hold counts past 32 at small batches. With a register cap for the Gluon
+# stage 1 (0: its own, MAX_REGISTERS since release 19): 255 lifts it, as
+# release 18 and earlier launched (186-224 registers for the MSE presets at
+# head_dim 256 and 512, 8 resident warps per SM where the cap keeps 12).
 SPLIT_CASES = [CASES[0], CASES[1], CASES[4], CASES[7]]
 SPLIT_POINTS = [(0, 0), (4, 0), (8, 0), (16, 0), (32, 0), (64, 0), (128, 0)]
-SPLIT_POINTS += [(0, 168)]
+SPLIT_POINTS += [(0, 255)]
 # Rows of the backend's decode scratch (max_num_seqs; vLLM's default on
 # GPUs under 70 GB, 1,024 above), shared by all layers, and its splits per
 # row (the backend's tq_max_kv_splits_for_cuda_graph default).

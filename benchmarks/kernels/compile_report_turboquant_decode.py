@@ -36,11 +36,7 @@ PRESETS = [
     "turboquant_3bit_nc",
 ]
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
-REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
-# Registers are allocated per warp in units of 256, 8 per thread: at 226 per
-# thread ncu's "Block Limit Registers" reads 8 one-warp programs, not 9.
-REGISTER_UNIT = 8
 
 
 def _tile_loop(lines: list[str], label: str, branch: str) -> tuple[int, int] | None:
@@ -116,11 +112,12 @@ def sass_loop_opcodes(cubin: bytes) -> tuple[collections.Counter, int]:
 
 
 def programs_per_sm(registers: int, warps: int, shared: int) -> int:
-    allocated = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
-    return min(
-        REGISTERS_PER_SM // (allocated * 32 * warps),
-        SHARED_PER_SM // max(shared, 1),
-    )
+    # The register bound is the Gluon stage 1's model (per scheduler, not per
+    # SM): at 226 registers ncu's "Block Limit Registers" reads 8 one-warp
+    # programs, not 9; at 172-186, 4 two-warp programs ran, not 5.
+    from vllm.v1.attention.ops.gluon_turboquant_decode import resident_warps
+
+    return min(resident_warps(registers) // warps, SHARED_PER_SM // max(shared, 1))
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:

@@ -565,6 +565,43 @@ def test_query_chunk_rows_fall_in_distinct_banks(key_fp8):
             )
 
 
+@pytest.mark.parametrize(
+    ("registers", "warps"),
+    [(128, 16), (168, 12), (169, 8), (186, 8), (226, 8), (255, 8)],
+)
+def test_resident_warps_count_per_scheduler(registers, warps):
+    """An SM's 4 schedulers each hold their warps' registers in their own
+    16,384. Counted over the SM's 65,536, 186 registers a thread would keep
+    10 warps (5 two-warp programs at head_dim 256); 4 programs ran: split
+    for 10 warps, 3bit_nc at head_dim 256 took 1.4x as long (H100,
+    benchmarks/NOTES.md, "Release 19")."""
+    assert gluon_decode.resident_warps(registers) == warps
+
+
+def test_stage1_launches_under_its_register_cap(monkeypatch):
+    """The split count assumes ``resident_warps()``, which holds only if the
+    launch compiles under ``MAX_REGISTERS``."""
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append(options)
+
+    monkeypatch.setattr(gluon_decode, "_stage1", Launcher())
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    q = torch.zeros(1, 4, 128)
+    cache = torch.zeros(2, 16, 1, cfg.slot_size_aligned, dtype=torch.uint8)
+    out = torch.zeros(1, 4, 128)
+    gluon_decode.stage1(
+        q, cache, torch.zeros(1, 2, dtype=torch.int32),
+        torch.tensor([20], dtype=torch.int32), None, out, out, 1.0, 1, 256, 4,
+        cfg.key_packed_size, cfg.key_mse_bits, False, True,
+    )  # fmt: skip
+    assert len(launches) == 1
+    assert launches[0]["maxnreg"] == gluon_decode.MAX_REGISTERS
+    assert gluon_decode.resident_warps() == 12
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(
     ("head_dim", "gqa", "key_tails"),
@@ -595,6 +632,8 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
     )
     assert kernel.metadata.num_warps == head_dim // 128
     assert "mma.sync" in kernel.asm["ptx"]
+    # Under the register cap the split count's resident warps assume.
+    assert f".maxnreg {gluon_decode.MAX_REGISTERS}" in kernel.asm["ptx"]
     # No dequantized value crosses threads: the only shared-memory traffic
     # is the packed words, the query chunks and the cross-warp score sum.
     assert kernel.metadata.shared <= 64 * 1024

@@ -427,7 +427,8 @@ def test_gluon_split_count_fills_whole_waves():
     # 600 programs: four waves of a seventh of the context beat one of all.
     assert n(75, 8, 1, 132, 128, 8) == 7
     assert n(256, 8, 1, 132, 128, 8) == 1
-    # 12 resident warps (166-168 registers): 1,584 one-warp programs a wave.
+    # 12 resident warps (the Gluon stage 1's register cap): 1,584 one-warp
+    # programs a wave.
     assert n(16, 8, 1, 132, 128, 12) == 12  # 1,536 programs, one wave
     assert n(64, 8, 1, 132, 128, 12) == 3
     assert n(16, 4, 2, 132, 64, 12) == 12

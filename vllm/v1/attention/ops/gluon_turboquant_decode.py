@@ -90,44 +90,26 @@ def serves(
     )
 
 
-# Programs of this stage 1 the split count assumes one SM holds, by
-# (head_dim, key: "fp8" or MSE bits, value bits). At most what its registers
-# per thread allow, allocated 8 at a time, over an SM's 65,536 (ptxas for
-# sm_90 from Triton 3.6; shared memory does not bind): the compile report
-# (benchmarks/kernels/compile_report_turboquant_decode.py --gluon) prints
-# those, and its test holds this table to them. 166-168 registers fit 12
-# one-warp programs; 8 warps were assumed while it took 214-246. 3-bit values
-# at head_dim 256 and 512 stay at 8 warps: their registers allow 5 and 3
-# programs, but split for 10 and 12 warps they ran 1.4x and 1.1x slower at
-# 16 x 8K (H100; benchmarks/NOTES.md, "Release 18").
-RESIDENT_PROGRAMS: Mapping[tuple[int, str | int, int], int] = MappingProxyType(
-    {
-        (128, "fp8", 4): 12,
-        (256, "fp8", 4): 6,
-        (512, "fp8", 4): 3,
-        (128, 4, 4): 12,
-        (256, 4, 4): 4,
-        (512, 4, 4): 2,
-        (128, 3, 4): 12,
-        (256, 3, 4): 4,
-        (512, 3, 4): 2,
-        (128, 3, 3): 12,
-        (256, 3, 3): 4,
-        (512, 3, 3): 2,
-    }
-)
-# Where the table has no entry (a layout no preset uses): 8 warps, as the
-# 255-register bound allows.
-DEFAULT_RESIDENT_WARPS = 8
+# Registers a thread of this stage 1 may use (ptxas's maxnreg; every launch
+# and static compile passes it). An SM's 4 schedulers each hold their warps'
+# registers in their own 16,384 of its 65,536, allocated 8 a thread at a
+# time: 168 keeps 3 warps per scheduler, 12 per SM, and anything from 169 to
+# 255 keeps 2, 8 per SM. Uncapped, ptxas chose 166-168 at head_dim 128 but
+# 186-224 for the MSE presets at 256 and 512, so splits sized for more than
+# 8 warps ran in waves the split count did not model; capped, those spill
+# 0-14 bytes and ran 2-10 % faster (H100; benchmarks/NOTES.md, "Release 19").
+MAX_REGISTERS = 168
+SCHEDULERS_PER_SM = 4
+REGISTERS_PER_SCHEDULER = 16384
+REGISTER_UNIT = 8
 
 
-def resident_warps(head_dim: int, key_fp8: bool, mse_bits: int, value_bits: int) -> int:
-    """Warps of this stage 1 one SM runs at once (``RESIDENT_PROGRAMS``)."""
-    key = (head_dim, "fp8" if key_fp8 else mse_bits, value_bits)
-    programs = RESIDENT_PROGRAMS.get(key)
-    if programs is None:
-        return DEFAULT_RESIDENT_WARPS
-    return programs * (head_dim // SLICE)
+def resident_warps(registers: int = MAX_REGISTERS) -> int:
+    """Warps one SM keeps resident at ``registers`` per thread (sm_80 to
+    sm_120: 4 schedulers of 16,384 registers each; shared memory does not
+    bind this stage 1)."""
+    allocated = -(-registers // REGISTER_UNIT) * REGISTER_UNIT
+    return SCHEDULERS_PER_SM * (REGISTERS_PER_SCHEDULER // (allocated * 32))
 
 
 def _log2(x: int) -> int:
@@ -1088,7 +1070,7 @@ def stage1(
     if runner is not None:
         runner(_stage1, grid, args, constexprs)
         return
-    _stage1[grid](*args, **constexprs, num_warps=constexprs["W"])
+    _stage1[grid](*args, **constexprs, num_warps=constexprs["W"], maxnreg=MAX_REGISTERS)
 
 
 def static_compile(
@@ -1140,5 +1122,5 @@ def static_compile(
     return triton.compile(
         GluonASTSource(_stage1, signature, constexprs=constexprs, attrs=aligned),
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=constexprs["W"]),
+        options=dict(num_warps=constexprs["W"], maxnreg=MAX_REGISTERS),
     )

@@ -1034,7 +1034,7 @@ def decode_attention(
             gluon = None
             table = None
         else:
-            resident = gluon.resident_warps(D, key_fp8, mse_bits, value_quant_bits)
+            resident = gluon.resident_warps()
             num_splits = gluon_num_splits(B, Hk, warps, _num_sms(device), cap, resident)
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
