@@ -114,7 +114,7 @@ def sass_loop_opcodes(cubin: bytes) -> tuple[collections.Counter, int]:
 def programs_per_sm(registers: int, warps: int, shared: int) -> int:
     # The register bound is the Gluon stage 1's model (per scheduler, not per
     # SM): at 226 registers ncu's "Block Limit Registers" reads 8 one-warp
-    # programs, not 9; at 172-186, 4 two-warp programs ran, not 5.
+    # programs, not 9; at 172 and 180, 4 two-warp programs, not 5.
     from vllm.v1.attention.ops.gluon_turboquant_decode import resident_warps
 
     return min(resident_warps(registers) // warps, SHARED_PER_SM // max(shared, 1))
