@@ -126,3 +126,12 @@ def test_an_unknown_preset_is_named_before_anything_runs():
     assert out.returncode == 2
     assert "invalid choice: 'turboquant_5bit'" in out.stderr
     assert "turboquant_k8v4" in out.stderr  # the valid ones
+
+
+def test_timer_keeps_the_samples_launched_within_their_sleep():
+    # A launch that outlasts the sleep ahead of it leaves the GPU idle inside
+    # the timed interval: 1,136 us of "kernel" time where the kernels took 92.
+    gpu = [100.0, 1136.0, 101.0, 99.0, 640.0]
+    host = [400.0, 2100.0, 420.0, 390.0, 1010.0]
+    assert _bench().launched_in_time(gpu, host, 1000.0) == [100.0, 101.0, 99.0]
+    assert _bench().launched_in_time(gpu, host, 3000.0) == gpu
