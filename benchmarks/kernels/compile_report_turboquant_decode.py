@@ -36,6 +36,11 @@ PRESETS = [
     "turboquant_3bit_nc",
 ]
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
+# KV heads of the benchmarks' model shapes (Qwen3-4B, Qwen3.6-27B, Gemma 4's
+# full layers): the Gluon stage 1 compiles the cache's token stride in, and
+# one KV head's stride gave another kernel (3bit_nc at head_dim 256: 186
+# registers against 203-205 at run time; benchmarks/NOTES.md, "Release 19").
+KV_HEADS = {64: 8, 128: 8, 256: 4, 512: 4}
 SHARED_PER_SM = 228 * 1024
 
 
@@ -229,7 +234,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         cfg.key_mse_bits,
         cfg.key_packed_size,
         cfg.norm_correction,
-        cfg.slot_size_aligned,
+        cfg.slot_size_aligned * KV_HEADS[head_dim],
         arch,
         value_bits=cfg.value_quant_bits,
         key_tails=tails,

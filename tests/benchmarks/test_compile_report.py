@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks import import_benchmark
+
 REPORT = (
     Path(__file__).resolve().parents[2]
     / "benchmarks/kernels/compile_report_turboquant_decode.py"
@@ -115,3 +117,33 @@ def test_gluon_stage1_keeps_the_warps_its_split_count_assumes():
         or per_sm * (case[1] // gluon_decode.SLICE) < assumed
     }
     assert not short, f"(registers, spill bytes, programs per SM): {short}"
+
+
+def test_gluon_report_compiles_its_cases_token_stride(monkeypatch):
+    """The token stride is a constant of the compiled Gluon stage 1, and
+    ptxas allocated differently for one KV head's stride than for the
+    model's (3bit_nc at head_dim 256: 186 registers against 203-205 at run
+    time): the report compiles the stride of its case's KV heads."""
+    pytest.importorskip("triton.experimental.gluon")
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon_decode
+
+    report = import_benchmark("benchmarks.kernels.compile_report_turboquant_decode")
+    strides = []
+
+    def compiled(*args, **kwargs):
+        strides.append(args[6])
+        raise LookupError("stop after the compile's arguments")
+
+    monkeypatch.setattr(gluon_decode, "static_compile", compiled)
+    for head_dim, kv_heads in ((128, 8), (256, 4), (512, 4)):
+        with pytest.raises(LookupError):
+            report.compile_gluon_stage1(
+                "turboquant_3bit_nc", head_dim, report.GQA[head_dim], 90
+            )
+        slot = TurboQuantConfig.from_cache_dtype(
+            "turboquant_3bit_nc", head_dim
+        ).slot_size_aligned
+        assert strides[-1] == slot * kv_heads

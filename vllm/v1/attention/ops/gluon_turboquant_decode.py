@@ -1091,15 +1091,16 @@ def static_compile(
     mse_bits: int,
     key_packed_size: int,
     norm_correction: bool,
-    slot_bytes: int,
+    token_bytes: int,
     arch: int = 90,
     word32: bool | None = None,
     value_bits: int = 4,
     key_tails: bool = True,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
-    reports): bf16 queries and outputs, pages of 16 tokens of one KV head's
-    ``slot_bytes`` each, split."""
+    reports): bf16 queries and outputs, pages of 16 tokens ``token_bytes``
+    apart (a cache's stride(1): KV heads x slot; a constant of the compiled
+    kernel, and ptxas allocates registers differently per value), split."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1108,7 +1109,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits, key_tails, slot_bytes // (4 if word32 else 2),
+        word32, True, 256, value_bits, key_tails, token_bytes // (4 if word32 else 2),
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",
