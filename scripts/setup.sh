@@ -10,28 +10,29 @@ VENV=${HYBRIDKV_VENV:-.venv}
 
 step() { printf '\n== %s\n' "$*"; }
 
+# pip install into the venv, without the index's noise; an out-of-disk failure names
+# no size, so on failure say what was free.
+pip_install() {
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } \
+    || { df -h "$VENV" "${TMPDIR:-/tmp}" >&2; return 1; }
+}
+
 step "test environment ($VENV): requirements/cpu-test.txt"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 stamp="$VENV/.hybridkv-requirements"
 want=$(cat requirements/cpu-test.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip_req() {
-    # An out-of-disk failure names no size: on failure, say what was free.
-    "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$@" 2>&1 \
-      | { grep -v "is ignored: it is neither a file nor a directory" || true; } \
-      || { df -h "$VENV" "${TMPDIR:-/tmp}" >&2; return 1; }
-  }
   # No pip cache: a fresh machine never reads it back. And the CUDA build of torch and
   # its nvidia-* libraries (~3 GB of wheels, ~5 GB installed) go in one call each: pip
   # keeps every downloaded wheel of a call until the call ends, so one call for the
   # whole file held the downloads beside the ~7 GB install. CI ran out of disk there twice.
   for req in $(grep -E '^(torch|triton|nvidia-[a-z0-9-]+)==' requirements/cpu-test.txt); do
-    pip_req --no-deps "$req"
+    pip_install --no-deps "$req"
   done
-  pip_req -r requirements/cpu-test.txt
+  pip_install -r requirements/cpu-test.txt
   # Editable: the tooling finds patches/ and the overlay through its own path.
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 \
-    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  pip_install --no-deps -e .
   echo "$want" > "$stamp"
 fi
 hk="$VENV/bin/hybridkv"
@@ -40,8 +41,7 @@ bash scripts/build-wheel.sh "$hk"  # fetch + verify, check, wheel (docker/Docker
 wheel=$(ls -t dist/vllm-*+hybridkv.*.whl | head -n 1)
 
 step "install $wheel (no deps: the CPU test env supplies them)"
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel" 2>&1 \
-  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+pip_install --no-deps --force-reinstall "$wheel"
 "$hk" check --installed
 
 step "report"
