@@ -31,11 +31,13 @@ log there (per-repeat tok/s, warnings). Dummy weights make outputs meaningless
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -360,6 +362,38 @@ def summarize(reps: list[dict]) -> dict:
     )
 
 
+def run_process_group(
+    cmd: list[str], timeout: float, env: dict
+) -> tuple[str, int | str]:
+    """(log, return code or "timeout") of one configuration's process.
+
+    It runs in a process group of its own, killed whole on timeout: its
+    engine core is a process of its own, and left running it holds its GPU
+    memory, so the next configuration's engine failed to start.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out + err, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return out + err, "timeout"
+    except BaseException:
+        # Ctrl-C reaches this process only: the group is out of the
+        # terminal's, so it goes down with the harness here.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def run_config(model, kv, scenarios, args, profile=False) -> dict:
     spec = dict(
         model=model,
@@ -377,15 +411,7 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
             p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
         ),
     )
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, env=env
-        )
-        log, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"") + (e.stderr or b"")
-        log = out.decode() if isinstance(out, bytes) else out
-        rc = "timeout"
+    log, rc = run_process_group(cmd, args.timeout, env)
     row = dict(model=model, kv=kv, rc=rc, wall_s=round(time.time() - t0, 1))
     if args.keep_logs:
         # Engine logs say what a figure cannot (JIT compiles, warnings).

@@ -4,7 +4,10 @@
 engine logs it keeps, how it hands a scenario's requests to the engine, and
 how it sums up repeats."""
 
-import subprocess
+import os
+import signal
+import sys
+import time
 from argparse import Namespace
 
 import pytest
@@ -84,11 +87,10 @@ def test_profile_table_shows_the_change_against_auto(e2e):
 @pytest.mark.parametrize("keep", [True, False])
 def test_engine_logs_are_kept_on_request(e2e, monkeypatch, tmp_path, keep):
     # The child engine process, faked: its log and one result line.
-    def child(cmd, **kwargs):
-        log = "INFO GPU KV cache size: 1,000 tokens\n" + e2e._RESULT + "{}\n"
-        return subprocess.CompletedProcess(cmd, 0, stdout=log, stderr="")
+    def child(cmd, timeout, env):
+        return "INFO GPU KV cache size: 1,000 tokens\n" + e2e._RESULT + "{}\n", 0
 
-    monkeypatch.setattr(e2e.subprocess, "run", child)
+    monkeypatch.setattr(e2e, "run_process_group", child)
     args = Namespace(
         repeats=1, gpu_memory_utilization=0.9, timeout=10, out=str(tmp_path),
         keep_logs=keep,
@@ -221,3 +223,36 @@ def test_the_host_profile_pass_runs_only_on_request(e2e, monkeypatch):
     calls.clear()
     e2e.profile_scenario(_Llm(), ["untimed"], ["profiled"], params, ["host"])
     assert calls == [["untimed"], ["profiled"], ["host"]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
+    """The engine core is the configuration process's own child. Left running
+    after a timeout it holds its GPU memory, and the next configuration's
+    engine fails to start (a Qwen3.6-27B run lost its second configuration
+    that way)."""
+    pid_file = tmp_path / "engine_core.pid"
+    child = (
+        "import subprocess, sys, time\n"
+        "sleep = [sys.executable, '-c', 'import time; time.sleep(60)']\n"
+        "core = subprocess.Popen(sleep)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(core.pid))\n"
+        "time.sleep(60)\n"
+    )
+    log, rc = e2e.run_process_group([sys.executable, "-c", child], 5, dict(os.environ))
+    assert rc == "timeout"
+    core = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(core) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(core)
+    if alive:
+        os.kill(core, signal.SIGKILL)
+    assert not alive, "the timed-out configuration's engine core is still running"
