@@ -329,17 +329,18 @@ MODELS = {
 
 
 def runner(models=None):
-    """A ``runner(kernel, grid, args, constexprs)`` executing on NumPy."""
+    """A ``runner(kernel, grid, args, constexprs)`` executing on NumPy, one
+    program at a time in the order a GPU hands blocks out: x fastest."""
     models = {**MODELS, **(models or {})}
 
     def run(kernel, grid, args, constexprs):
         fn = kernel.fn
         ptr_args = [Pointer.of(a) if torch.is_tensor(a) else a for a in args]
-        for s in range(grid[0]):
-            for h in range(grid[1]):
-                for r in range(grid[2]):
+        for z in range(grid[2]):
+            for y in range(grid[1]):
+                for x in range(grid[0]):
                     glb = _values(fn.__globals__)
-                    glb["gl"] = _language((s, h, r))
+                    glb["gl"] = _language((x, y, z))
                     for name, obj in list(glb.items()):
                         body = getattr(obj, "fn", None)
                         if name not in models and hasattr(body, "__code__"):

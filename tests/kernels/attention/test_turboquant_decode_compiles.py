@@ -117,7 +117,7 @@ def test_every_batch_size_reuses_one_compiled_decode(
 ):
     # Batch 1..96: the Gluon stage 1 splits 1-128 ways, the Triton one 1-32.
     stage1, merge = _launch_keys(monkeypatch, preset, gluon, range(1, 97))
-    splits = sorted({g[0] for g in stage1.grids})
+    splits = sorted({g[2] for g in stage1.grids})
     assert len(splits) > 4, f"the batches tried only split {splits} ways"
     # One compile for the split counts > 1, one for a single split (the
     # first kernel writes the output itself).
@@ -128,6 +128,17 @@ def test_every_batch_size_reuses_one_compiled_decode(
     assert len(merge.keys) == 1, (
         f"the merge compiles {len(merge.keys)} kernels for split counts {splits}"
     )
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_stage1_grids_put_the_splits_last(triton_interpret, monkeypatch, gluon):
+    # A GPU hands blocks out x first: with the splits last, every row's
+    # first split goes out before any second one (the live ones of a batch
+    # of short rows first; test_turboquant_decode_gluon runs it).
+    batches = range(1, 97)
+    stage1, _ = _launch_keys(monkeypatch, "turboquant_k8v4", gluon, batches)
+    assert [g[:2] for g in stage1.grids] == [(HK, b) for b in batches]
+    assert max(g[2] for g in stage1.grids) > 1
 
 
 @pytest.mark.gpu

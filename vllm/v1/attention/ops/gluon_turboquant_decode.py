@@ -714,9 +714,10 @@ def _stage1(
     V3: gl.constexpr,  # 3-bit values, the same
     VW16: gl.constexpr,  # u16 words of a slot's values
 ):
-    split = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    row = gl.program_id(2)
+    # Splits are the grid's slowest axis (see stage1's launch).
+    kv_head = gl.program_id(0)
+    row = gl.program_id(1)
+    split = gl.program_id(2)
     D: gl.constexpr = HEAD_DIM
     U: gl.constexpr = 2 if WORD32 else 1  # u16 words per load unit
     S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16, 16] scores, in every warp
@@ -1077,7 +1078,13 @@ def stage1(
         key_tails,
         kv_cache.stride(1) // unit,
     )
-    grid = (num_splits, Hk, B)
+    # A GPU hands out blocks x first, so with the splits last every (KV head,
+    # row)'s first split goes out before any second one. In a batch of short
+    # rows the live splits are the first few: sent first, they run while the
+    # empty ones behind them drain, instead of waiting among them. 150 rows
+    # of 640 tokens at 9 splits (3 live): 121 -> 100 us (k8v4), 169 -> 131
+    # (4bit_nc) on an H100 (benchmarks/NOTES.md, "Release 20").
+    grid = (Hk, B, num_splits)
     if runner is not None:
         runner(_stage1, grid, args, constexprs)
         return

@@ -638,9 +638,10 @@ def _tq_decode_split_stage1(
     FP8_E4B15: tl.constexpr,
     WORD16: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    row = tl.program_id(2)
+    # Splits last in the grid, as the Gluon stage 1's (see its launch).
+    kv_head = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
 
     # Tokens per split: a split count fixed per launch, at least MIN_TOKENS
     # per split, whole tiles; splits past the end of a short row stay empty.
@@ -1080,7 +1081,7 @@ def decode_attention(
     word16 = words_aligned(kv_cache)
     unit = 2 if word16 else 1
     mse_bytes = 0 if key_fp8 else D * mse_bits // 8
-    _tq_decode_split_stage1[(num_splits, Hk, B)](
+    _tq_decode_split_stage1[(Hk, B, num_splits)](
         q_in,
         kv_cache,
         kv_cache.view(torch.int16) if word16 else kv_cache,
