@@ -600,6 +600,21 @@ def main():
         help="write each configuration's engine log to --out",
     )
     args = ap.parse_args()
+    counts = {
+        "--repeats": (args.repeats, "timed repeats of each scenario"),
+        "--timeout": (args.timeout, "seconds a configuration's process may run"),
+    }
+    for flag, (value, what) in counts.items():
+        if value is not None and value < 1:
+            ap.error(
+                f"{flag} {value}: expected at least 1 ({what}); pass 1 or more, "
+                "or leave it out"
+            )
+    if not 0 < args.gpu_memory_utilization <= 1:
+        ap.error(
+            f"--gpu-memory-utilization {args.gpu_memory_utilization}: expected the "
+            "share of GPU memory each engine may take, above 0 and at most 1"
+        )
 
     if args.child:
         results = run_child(json.loads(args.child))
@@ -624,7 +639,8 @@ def main():
     if "auto" not in kvs:
         kvs = ["auto", *kvs]  # ratios need it
     scenarios = args.scenarios or base["scenarios"]
-    args.repeats = args.repeats or base["repeats"]
+    if args.repeats is None:
+        args.repeats = base["repeats"]
 
     # No CUDA in this process: its context would take GPU memory from the engines.
     import torch

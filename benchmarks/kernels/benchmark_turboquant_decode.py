@@ -998,6 +998,18 @@ def run_all(args, timer, bw, rows, log):
         bench_store(shapes[:2], args.presets, timer, bw, rows, log)
 
 
+def check_iters(ap: argparse.ArgumentParser, iters: int | None, quick: bool) -> int:
+    """Timed samples per case: ``--iters``, or the default for the run."""
+    if iters is None:
+        return 10 if quick else 25
+    if iters < 1:
+        ap.error(
+            f"--iters {iters}: expected at least 1 timed sample per case; pass 1 "
+            "or more, or leave it out (25; 10 with --quick)"
+        )
+    return iters
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1023,6 +1035,7 @@ def main():
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
+    iters = check_iters(ap, args.iters, args.quick)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
@@ -1030,7 +1043,6 @@ def main():
     import vllm
 
     start = time.time()
-    iters = args.iters or (10 if args.quick else 25)
     timer = Timer(iters, warmup=2)
     bw = copy_bandwidth(timer)
     meta = dict(

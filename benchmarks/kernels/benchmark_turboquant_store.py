@@ -36,6 +36,7 @@ from benchmark_turboquant_decode import (  # noqa: E402
     PAGE,
     PRESETS,
     Timer,
+    check_iters,
     copy_bandwidth,
     tq_config,
     tq_tables,
@@ -290,10 +291,11 @@ def markdown(meta, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes x 64/8192 tokens")
-    ap.add_argument("--presets", nargs="*", default=PRESETS)
+    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
+    iters = check_iters(ap, args.iters, args.quick)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton
@@ -301,7 +303,7 @@ def main():
     import vllm
 
     start = time.time()
-    timer = Timer(args.iters or (10 if args.quick else 25), warmup=2)
+    timer = Timer(iters, warmup=2)
     bw = copy_bandwidth(timer)
     meta = dict(
         time=datetime.datetime.now(datetime.timezone.utc).strftime(

@@ -87,9 +87,9 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
     assert "| default | gluon | - |" in md and "nan FAIL |" in md
 
 
-def _run(*args):
+def _run(*args, script="benchmark_turboquant_decode.py"):
     return subprocess.run(
-        [sys.executable, "benchmarks/kernels/benchmark_turboquant_decode.py", *args],
+        [sys.executable, f"benchmarks/kernels/{script}", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -126,6 +126,22 @@ def test_an_unknown_preset_is_named_before_anything_runs():
     assert out.returncode == 2
     assert "invalid choice: 'turboquant_5bit'" in out.stderr
     assert "turboquant_k8v4" in out.stderr  # the valid ones
+
+
+@pytest.mark.parametrize(
+    "script", ["benchmark_turboquant_decode.py", "benchmark_turboquant_store.py"]
+)
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--iters", "0"], "--iters 0: expected at least 1"),
+        (["--presets", "turboquant_5bit"], "invalid choice: 'turboquant_5bit'"),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_runs(script, args, named):
+    out = _run(*args, script=script)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr
 
 
 def test_timer_keeps_the_samples_launched_within_their_sleep():

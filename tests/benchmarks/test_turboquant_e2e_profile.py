@@ -256,3 +256,25 @@ def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
     if alive:
         os.kill(core, signal.SIGKILL)
     assert not alive, "the timed-out configuration's engine core is still running"
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--repeats", "0"], "--repeats 0: expected at least 1"),
+        (["--timeout", "-5"], "--timeout -5: expected at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5"),
+    ],
+)
+def test_bad_arguments_are_named_before_any_engine_starts(
+    e2e, monkeypatch, capsys, args, named
+):
+    def run_config(*a, **k):
+        raise AssertionError(f"{args} started a configuration")
+
+    monkeypatch.setattr(e2e, "run_config", run_config)
+    monkeypatch.setattr(sys, "argv", ["benchmark_turboquant_e2e.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main()
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
