@@ -251,6 +251,21 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
     )  # fmt: skip
 
 
+def geometry_arg(text: str) -> tuple[int, ...]:
+    """``--geometries``' BLOCK_N,warps[,key_chunk[,maxnreg]]."""
+    try:
+        geometry = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        geometry = ()
+    if not 2 <= len(geometry) <= 4 or min(geometry[:2]) < 1 or min(geometry) < 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid geometry {text!r}: expected BLOCK_N,warps[,key_chunk[,maxnreg]], "
+            "2 to 4 whole numbers (tokens per tile and warps at least 1), e.g. "
+            "32,4 or 16,2,64,168"
+        )
+    return geometry
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
@@ -261,6 +276,7 @@ def main():
     ap.add_argument(
         "--geometries",
         nargs="*",
+        type=geometry_arg,
         default=None,
         help="BLOCK_N,warps[,key_chunk[,maxnreg]] ... (default: the kernel's own)",
     )
@@ -321,11 +337,9 @@ def main():
     )
     for preset in args.presets:
         for head_dim in args.head_dims:
-            geometries = (
-                [tuple(int(x) for x in g.split(",")) for g in args.geometries]
-                if args.geometries
-                else [splitkv.default_geometry(head_dim, preset == "turboquant_k8v4")]
-            )
+            geometries = args.geometries or [
+                splitkv.default_geometry(head_dim, preset == "turboquant_k8v4")
+            ]
             for geometry in geometries:
                 try:
                     regs, spills, shared, per_sm, per_token = compile_stage1(

@@ -82,6 +82,19 @@ def test_compile_report_names_a_head_dim_it_has_no_case_for():
     )
 
 
+@pytest.mark.parametrize("geometry", ["32,x", "32", "32,4,64,168,1", "32,0"])
+def test_compile_report_names_a_geometry_it_cannot_read(geometry):
+    out = subprocess.run(
+        [sys.executable, str(REPORT), "--geometries", geometry],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"--geometries: invalid geometry '{geometry}'" in out.stderr
+    assert "BLOCK_N,warps[,key_chunk[,maxnreg]]" in out.stderr
+
+
 def test_gluon_stage1_keeps_the_warps_its_split_count_assumes():
     """The Gluon stage 1's split counts assume ``resident_warps()`` per SM,
     from its register cap. Every preset and head_dim must compile within
