@@ -15,7 +15,6 @@ natively against the same reference and the Triton stage 1, and
 replay) take it wherever it serves.
 """
 
-import collections
 import importlib
 import logging
 import os
@@ -120,70 +119,65 @@ def test_gluon_stage1_serves_padded_pages_and_verify_rows(
     assert len(gluon_on_numpy) == 2
 
 
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
-def test_an_empty_split_loads_only_its_row_length(
-    triton_interpret, gluon_on_numpy, monkeypatch, preset
-):
-    """A split past the end of a short row stores the lse = -inf the merge
-    skips and stops: no query, table or first-tile loads. Those made 7,200
-    empty programs (150 rows of 640 tokens, 9 splits) cost 80 of stage 1's
-    207 us on an H100. The output still matches float64 (the scratch is
-    NaN-poisoned, so a missing lse would show)."""
-    loads = collections.Counter()
-    language = gluon_numpy._language
-
-    def counting(pid):
-        gl = language(pid)
-        load = gl.load
-
-        def counted(*args, **kwargs):
-            loads[pid] += 1
-            return load(*args, **kwargs)
-
-        gl.load = counted
-        return gl
-
-    monkeypatch.setattr(gluon_numpy, "_language", counting)
-    # 16 tokens per split at least: row 0 fills splits 0-1 of 4, row 1 0-2.
-    # Program ids are (KV head, row, split).
-    _run(triton_interpret, preset, 128, 4, [19, 45], num_kv_heads=1, splits=4)
-    assert len(loads) == 8
-    empty = {pid for pid, n in loads.items() if n == 1}
-    assert empty == {(0, 0, 2), (0, 0, 3), (0, 1, 3)}, dict(loads)
-
-
-def test_a_batch_of_short_rows_sends_its_live_splits_first(
-    triton_interpret, gluon_on_numpy, monkeypatch
-):
-    """A GPU hands blocks out x first. With the splits last in the grid,
-    every row's first split goes out before any second one, so in a batch of
-    equally short rows all live splits go out before the first empty one;
-    interleaved with the empty ones (splits first), 150 rows of 640 tokens
-    at 9 splits took 121 us on an H100 where they take 100 now."""
+@pytest.fixture
+def program_loads(monkeypatch):
+    """Each program's global loads on the NumPy runner, in the order the
+    programs ran (a GPU's dispatch order): ``[[program id, loads], ...]``."""
     order = []
     language = gluon_numpy._language
 
     def recording(pid):
         gl = language(pid)
         load = gl.load
+        entry = [pid, 0]
+        order.append(entry)
 
         def counted(*args, **kwargs):
-            order[-1][1] += 1
+            entry[1] += 1
             return load(*args, **kwargs)
 
-        order.append([pid, 0])
         gl.load = counted
         return gl
 
     monkeypatch.setattr(gluon_numpy, "_language", recording)
+    return order
+
+
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_an_empty_split_loads_only_its_row_length(
+    triton_interpret, gluon_on_numpy, program_loads, preset
+):
+    """A split past the end of a short row stores the lse = -inf the merge
+    skips and stops: no query, table or first-tile loads. Those made 7,200
+    empty programs (150 rows of 640 tokens, 9 splits) cost 80 of stage 1's
+    207 us on an H100. The output still matches float64 (the scratch is
+    NaN-poisoned, so a missing lse would show)."""
+    # 16 tokens per split at least: row 0 fills splits 0-1 of 4, row 1 0-2.
+    # Program ids are (KV head, row, split).
+    _run(triton_interpret, preset, 128, 4, [19, 45], num_kv_heads=1, splits=4)
+    loads = dict(program_loads)
+    assert len(loads) == 8
+    empty = {pid for pid, n in loads.items() if n == 1}
+    assert empty == {(0, 0, 2), (0, 0, 3), (0, 1, 3)}, loads
+
+
+def test_a_batch_of_short_rows_sends_its_live_splits_first(
+    triton_interpret, gluon_on_numpy, program_loads
+):
+    """A GPU hands blocks out x first. With the splits last in the grid,
+    every row's first split goes out before any second one, so in a batch of
+    equally short rows all live splits go out before the first empty one;
+    interleaved with the empty ones (splits first), 150 rows of 640 tokens
+    at 9 splits took 121 us on an H100 where they take 100 now."""
     # 3 rows of 40 tokens, 8 splits of at least 16 tokens: splits 0-2 live.
     _run(
         triton_interpret, "turboquant_k8v4", 128, 4, [40] * 3, num_kv_heads=2, splits=8
     )
     assert gluon_on_numpy == [(2, 3, 8)]
-    live = [loads > 1 for _, loads in order]  # an empty split loads its length only
+    # An empty split loads its length only.
+    live = [loads > 1 for _, loads in program_loads]
     assert sum(live) == 2 * 3 * 3
-    assert live == sorted(live, reverse=True), [pid for pid, _ in order]
+    assert live == sorted(live, reverse=True), [pid for pid, _ in program_loads]
 
 
 def test_a_small_batch_splits_into_the_spare_scratch_rows(
