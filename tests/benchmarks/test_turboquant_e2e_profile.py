@@ -5,10 +5,12 @@ engine logs it keeps, how it hands a scenario's requests to the engine, and
 how it sums up repeats."""
 
 import os
+import re
 import signal
 import sys
 import time
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 
@@ -179,6 +181,51 @@ def test_summary_keeps_each_repeats_ttft_and_the_spreads(e2e):
     row = dict(model="Qwen3-4B", kv="auto", kv_tokens=1000)
     md = e2e.markdown(meta, [dict(row, scenarios={"decode-heavy": s})])
     assert "| 3.6% / 48% | 42 / 42 (n/ax) |" in md
+
+
+def test_first_token_times_decode_heavys_prefill_step_alone(
+    e2e, monkeypatch, capsys, tmp_path
+):
+    """benchmarks/README.md's TTFT command: decode-heavy's prompts with one
+    output token each, so a repeat is one prefill step (~40 ms) and dozens of
+    them fit where decode-heavy's 1,024 decode steps allow a few. Its table
+    row has a TTFT and no TPOT."""
+    assert e2e.SCENARIOS["first-token"] == e2e.SCENARIOS["decode-heavy"][:2] + (1,)
+    specs = []
+
+    def run_config(model, kv, scenarios, args, profile=False):
+        specs.append((model, kv, scenarios, args.repeats))
+        rep = dict(
+            wall_s=0.05,
+            output_tokens=32,
+            output_tok_s=640.0,
+            ttft_median_s=0.035 if kv == "auto" else 0.033,
+            ttft_p90_s=0.040,
+            tpot_median_s=None,  # one token: no inter-token time
+            tpot_p90_s=None,
+        )
+        summary = e2e.summarize([rep] * args.repeats)
+        return dict(model=model, kv=kv, rc=0, wall_s=1.0, kv_tokens=1000,
+                    scenarios={"first-token": summary})  # fmt: skip
+
+    monkeypatch.setattr(e2e, "run_config", run_config)
+    readme = (Path(__file__).parents[2] / "benchmarks" / "README.md").read_text()
+    (command,) = re.findall(
+        r"`python (benchmarks/e2e/\S+ [^`]*first-token[^`]*)`", readme
+    )
+    monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
+    e2e.main()
+    assert [kv for _, kv, _, _ in specs] == [
+        "auto",
+        "turboquant_k8v4",
+        "turboquant_4bit_nc",
+    ]
+    assert {(s[0], tuple(s[2]), s[3]) for s in specs} == {
+        ("Qwen3-4B", ("first-token",), 40)
+    }
+    md = capsys.readouterr().out
+    assert "| Qwen3-4B | turboquant_4bit_nc | 1,000 (1.00x) | first-token |" in md
+    assert "| 33 / 40 (0.94x) | n/a / n/a (n/ax) |" in md
 
 
 def test_host_profile_names_where_the_host_time_went(e2e):
