@@ -71,8 +71,9 @@ SCENARIOS = {
     "long-ctx-64": (64, 32768, 256),
     # decode-heavy's prompts with one output token: its TTFT alone, one prefill
     # step of 32 x 64 tokens, cheap enough to repeat dozens of times. Single
-    # steps spread 24-42 % between repeats, so decode-heavy's own 1-5 repeats
-    # read its TTFT anywhere in 0.91-1.56x of auto for the same code.
+    # steps spread 24-145 % between repeats (max - min over median, H100), so
+    # decode-heavy's own 1-5 repeats read its TTFT anywhere in 0.91-1.56x of
+    # auto for the same code.
     "first-token": (32, 64, 1),
 }
 QUICK = dict(
@@ -189,6 +190,30 @@ def generate_from_full_queue(llm, batch, params) -> list:
     return llm.wait_for_completion(use_tqdm=False)
 
 
+def request_times(outs) -> tuple[list[float], list[float], list[float]]:
+    """Per request of a repeat: TTFT, prefill and TPOT in seconds.
+
+    TTFT runs from the request's arrival in this process to its first
+    token here, so it holds the queue and the hand-off to the engine core as
+    well as the prefill. Prefill is vLLM's prefill_time, first scheduled to
+    first token on the engine core's clock: the step(s) alone, which tells a
+    slow step from a slow hand-off.
+    """
+    ttft, prefill, tpot = [], [], []
+    for o in outs:
+        m = o.metrics
+        if m is None:
+            continue
+        if m.first_token_latency:
+            ttft.append(m.first_token_latency)
+        if m.first_token_ts > m.scheduled_ts > 0:
+            prefill.append(m.first_token_ts - m.scheduled_ts)
+        k = len(o.outputs[0].token_ids)
+        if k > 1 and m.last_token_ts > m.first_token_ts:
+            tpot.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+    return ttft, prefill, tpot
+
+
 def run_child(spec: dict) -> dict:
     """One engine, every scenario of the spec; returns per-scenario figures."""
     import random
@@ -266,16 +291,7 @@ def run_child(spec: dict) -> dict:
                 outs = generate_from_full_queue(llm, batch, params)
                 wall = time.perf_counter() - t0
                 gen = sum(len(o.outputs[0].token_ids) for o in outs)
-                ttft, tpot = [], []
-                for o in outs:
-                    m = o.metrics
-                    if m is None:
-                        continue
-                    if m.first_token_latency:
-                        ttft.append(m.first_token_latency)
-                    k = len(o.outputs[0].token_ids)
-                    if k > 1 and m.last_token_ts > m.first_token_ts:
-                        tpot.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+                ttft, prefill, tpot = request_times(outs)
                 reps.append(
                     dict(
                         wall_s=wall,
@@ -283,6 +299,7 @@ def run_child(spec: dict) -> dict:
                         output_tok_s=gen / wall,
                         ttft_median_s=percentile(ttft, 0.5),
                         ttft_p90_s=percentile(ttft, 0.9),
+                        prefill_median_s=percentile(prefill, 0.5),
                         tpot_median_s=percentile(tpot, 0.5),
                         tpot_p90_s=percentile(tpot, 0.9),
                     )
@@ -346,7 +363,7 @@ def spread(xs: list[float]) -> float | None:
 
 def summarize(reps: list[dict]) -> dict:
     def med(key):
-        xs = [r[key] for r in reps if r[key] is not None]
+        xs = [r[key] for r in reps if r.get(key) is not None]
         return statistics.median(xs) if xs else None
 
     toks = [r["output_tok_s"] for r in reps]
@@ -362,6 +379,7 @@ def summarize(reps: list[dict]) -> dict:
         ttft_median_s_spread=spread(ttfts),
         ttft_median_s=med("ttft_median_s"),
         ttft_p90_s=med("ttft_p90_s"),
+        prefill_median_s=med("prefill_median_s"),
         tpot_median_s=med("tpot_median_s"),
         tpot_p90_s=med("tpot_p90_s"),
     )
@@ -454,6 +472,7 @@ def add_ratios(rows):
                 "output_tok_s",
                 "ttft_median_s",
                 "ttft_p90_s",
+                "prefill_median_s",
                 "tpot_median_s",
                 "tpot_p90_s",
             ):
@@ -474,15 +493,17 @@ def markdown(meta, rows):
             f"dummy weights, {meta['repeats']} repeat(s) per scenario, offline batch "
             "(every prompt queued before the first step; TTFT from that queue). "
             "Ratios are to `auto` in this run; spread = (max - min) / median over "
-            "repeats, of tok/s and of the median TTFT."
+            "repeats, of tok/s and of the median TTFT; prefill = first scheduled "
+            "to first token on the engine core's clock (TTFT without the queue "
+            "and the hand-off), median of the repeats' medians."
         ),
         "",
         (
             "| model | KV | KV tokens (x auto) | scenario | out tok/s (x auto) "
             "| spread tok/s / TTFT | TTFT med / p90 ms (x auto) "
-            "| TPOT med / p90 ms (x auto) |"
+            "| prefill med ms (x auto) | TPOT med / p90 ms (x auto) |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         kvt = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "n/a"
@@ -490,7 +511,8 @@ def markdown(meta, rows):
             kvt += f" ({r['kv_tokens_ratio']:.2f}x)"
         if "scenarios" not in r:
             out.append(
-                f"| {r['model']} | {r['kv']} | {kvt} | FAILED (rc {r['rc']}) | | | | |"
+                f"| {r['model']} | {r['kv']} | {kvt} | FAILED (rc {r['rc']}) "
+                "| | | | | |"
             )
             continue
         for name, s in r["scenarios"].items():
@@ -507,6 +529,8 @@ def markdown(meta, rows):
                 f"{fmt(s['output_tok_s_spread'], '.1%')} / "
                 f"{fmt(s.get('ttft_median_s_spread'), '.0%')} | "
                 f"{ttft} ({fmt(s.get('ttft_median_s_vs_auto'))}x) | "
+                f"{fmt(s.get('prefill_median_s'), ',.1f', 1e3)} "
+                f"({fmt(s.get('prefill_median_s_vs_auto'))}x) | "
                 f"{tpot} ({fmt(s.get('tpot_median_s_vs_auto'))}x) |"
             )
     return "\n".join(out) + "\n"

@@ -201,6 +201,7 @@ def test_first_token_times_decode_heavys_prefill_step_alone(
             output_tok_s=640.0,
             ttft_median_s=0.035 if kv == "auto" else 0.033,
             ttft_p90_s=0.040,
+            prefill_median_s=0.030 if kv == "auto" else 0.027,
             tpot_median_s=None,  # one token: no inter-token time
             tpot_p90_s=None,
         )
@@ -225,7 +226,32 @@ def test_first_token_times_decode_heavys_prefill_step_alone(
     }
     md = capsys.readouterr().out
     assert "| Qwen3-4B | turboquant_4bit_nc | 1,000 (1.00x) | first-token |" in md
-    assert "| 33 / 40 (0.94x) | n/a / n/a (n/ax) |" in md
+    assert "| 33 / 40 (0.94x) | 27.0 (0.90x) | n/a / n/a (n/ax) |" in md
+
+
+def test_prefill_is_timed_on_the_engine_cores_clock_apart_from_ttft(e2e):
+    """TTFT holds the queue and the hand-off to the engine core; prefill is
+    vLLM's prefill_time (first scheduled to first token), the steps alone.
+    A request with one token has no TPOT; one without stats counts nowhere."""
+
+    def out(tokens, ttft, scheduled, first, last):
+        metrics = Namespace(
+            first_token_latency=ttft,
+            scheduled_ts=scheduled,
+            first_token_ts=first,
+            last_token_ts=last,
+        )
+        return Namespace(outputs=[Namespace(token_ids=[7] * tokens)], metrics=metrics)
+
+    outs = [
+        out(5, 0.045, 100.010, 100.044, 100.064),  # slow hand-off: 10 ms queued
+        out(1, 0.036, 100.001, 100.034, 100.034),
+        Namespace(outputs=[Namespace(token_ids=[7])], metrics=None),
+    ]
+    ttft, prefill, tpot = e2e.request_times(outs)
+    assert ttft == [0.045, 0.036]
+    assert prefill == pytest.approx([0.034, 0.033])
+    assert tpot == pytest.approx([0.005])
 
 
 def test_host_profile_names_where_the_host_time_went(e2e):
