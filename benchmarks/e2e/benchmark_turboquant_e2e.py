@@ -214,6 +214,24 @@ def request_times(outs) -> tuple[list[float], list[float], list[float]]:
     return ttft, prefill, tpot
 
 
+def gpu_state() -> dict:
+    """The engine's GPU right after a repeat: SM clock (MHz), temperature (C)
+    and power (W), read through NVML (no CUDA context in this process). A
+    compute-bound prefill step slows with the SM clock where decode steps,
+    bound by memory, barely do; 40 one-step repeats of one KV dtype read
+    35-98 ms in runs of slow and fast ones (H100)."""
+    import torch
+
+    try:
+        return dict(
+            sm_mhz=torch.cuda.clock_rate(0),
+            temp_c=torch.cuda.temperature(0),
+            power_w=torch.cuda.power_draw(0) / 1000,
+        )
+    except Exception as e:  # noqa: BLE001 - kept in the results instead
+        return dict(gpu_state_error=f"{type(e).__name__}: {e}")
+
+
 def run_child(spec: dict) -> dict:
     """One engine, every scenario of the spec; returns per-scenario figures."""
     import random
@@ -302,6 +320,7 @@ def run_child(spec: dict) -> dict:
                         prefill_median_s=percentile(prefill, 0.5),
                         tpot_median_s=percentile(tpot, 0.5),
                         tpot_p90_s=percentile(tpot, 0.9),
+                        gpu=gpu_state(),
                     )
                 )
             results[name] = reps
@@ -377,6 +396,8 @@ def summarize(reps: list[dict]) -> dict:
         output_tok_s_spread=spread(toks),
         ttft_median_s_reps=ttfts,
         ttft_median_s_spread=spread(ttfts),
+        prefill_median_s_reps=[r.get("prefill_median_s") for r in reps],
+        gpu_reps=[r.get("gpu") for r in reps],
         ttft_median_s=med("ttft_median_s"),
         ttft_p90_s=med("ttft_p90_s"),
         prefill_median_s=med("prefill_median_s"),

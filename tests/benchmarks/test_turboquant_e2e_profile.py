@@ -254,6 +254,29 @@ def test_prefill_is_timed_on_the_engine_cores_clock_apart_from_ttft(e2e):
     assert tpot == pytest.approx([0.005])
 
 
+def test_each_repeat_keeps_the_gpus_clock_and_the_summary_lists_them(e2e, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1980)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda device: 41)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 312_500)  # mW
+    state = e2e.gpu_state()
+    assert state == dict(sm_mhz=1980, temp_c=41, power_w=312.5)
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert e2e.gpu_state() == dict(
+        gpu_state_error="ModuleNotFoundError: nvidia-ml-py does not seem to be "
+        "installed"
+    )
+    rep = dict(output_tok_s=1.0, ttft_median_s=0.04, ttft_p90_s=0.05)
+    s = e2e.summarize([dict(rep, prefill_median_s=0.03, gpu=state), rep])
+    assert s["prefill_median_s_reps"] == [0.03, None]
+    assert s["gpu_reps"] == [state, None]
+
+
 def test_host_profile_names_where_the_host_time_went(e2e):
     """The profiled engine's gap (wall minus kernels) is host work: its cProfile
     lists the functions by own time, then by cumulative time."""
