@@ -217,9 +217,10 @@ def request_times(outs) -> tuple[list[float], list[float], list[float]]:
 def gpu_state() -> dict:
     """The engine's GPU right after a repeat: SM clock (MHz), temperature (C)
     and power (W), read through NVML (no CUDA context in this process). A
-    compute-bound prefill step slows with the SM clock where decode steps,
-    bound by memory, barely do; 40 one-step repeats of one KV dtype read
-    35-98 ms in runs of slow and fast ones (H100)."""
+    compute-bound prefill step would slow with the SM clock where decode
+    steps, bound by memory, barely do: these tell a slowed GPU from a slow
+    step (40 one-step repeats of one KV dtype read 35-98 ms in runs of slow
+    and fast ones on an H100, the slowest at full clock)."""
     import torch
 
     try:
