@@ -7,16 +7,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import import_benchmark
+from tests.benchmarks import REPO, import_benchmark
 
-REPORT = (
-    Path(__file__).resolve().parents[2]
-    / "benchmarks/kernels/compile_report_turboquant_decode.py"
-)
+REPORT = REPO / "benchmarks/kernels/compile_report_turboquant_decode.py"
 
 
 @pytest.mark.parametrize("extra", [[], ["--gluon"], ["--gluon", "--sass"]])

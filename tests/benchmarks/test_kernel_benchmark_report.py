@@ -6,13 +6,10 @@ from rows of every kind."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import import_benchmark
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import REPO, import_benchmark
 
 
 def _bench():

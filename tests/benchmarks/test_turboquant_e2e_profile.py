@@ -10,11 +10,10 @@ import signal
 import sys
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import import_benchmark
+from tests.benchmarks import REPO, import_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +209,7 @@ def test_first_token_times_decode_heavys_prefill_step_alone(
                     scenarios={"first-token": summary})  # fmt: skip
 
     monkeypatch.setattr(e2e, "run_config", run_config)
-    readme = (Path(__file__).parents[2] / "benchmarks" / "README.md").read_text()
+    readme = (REPO / "benchmarks" / "README.md").read_text()
     (command,) = re.findall(
         r"`python (benchmarks/e2e/\S+ [^`]*first-token[^`]*)`", readme
     )

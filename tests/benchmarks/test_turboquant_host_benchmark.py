@@ -7,14 +7,11 @@ machine without CUDA."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.benchmarks import import_benchmark
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import REPO, import_benchmark
 
 
 @pytest.fixture

@@ -1017,6 +1017,12 @@ def _constexprs(
     )
 
 
+def _unit_bytes(word32: bool) -> int:
+    """Bytes per cache load unit: 32-bit words (FP8-key slots, 4-byte
+    aligned), else 16-bit ones."""
+    return 4 if word32 else 2
+
+
 def stage1(
     q_in: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1049,7 +1055,7 @@ def stage1(
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4).
     word32 = key_fp8 and words_aligned(kv_cache, 4)
-    unit = 4 if word32 else 2
+    unit = _unit_bytes(word32)
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
     args = (
         q_in,
@@ -1116,7 +1122,7 @@ def static_compile(
     word32 = key_fp8 if word32 is None else word32
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits, key_tails, token_bytes // (4 if word32 else 2),
+        word32, True, 256, value_bits, key_tails, token_bytes // _unit_bytes(word32),
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",
