@@ -24,6 +24,10 @@ each scenario once more under the profiler: GPU time per output step by
 kernel class (attention, KV store, GEMM, other) and the wall time per step,
 so the gap to ``auto`` splits into kernels and host time (issue 10, item 3);
 a profiled pass generates at most ``PROFILE_STEPS`` tokens per sequence.
+``--interleave`` keeps every KV dtype's engine resident at once (an equal
+share of the memory each) and runs each repeat on all of them in turn, so a
+drift over minutes meets every configuration alike; it adds a table of each
+repeat's figure over auto's same repeat.
 Results: benchmarks/results/e2e-<time>.json and .md (or ``--out``), with
 device and versions; ``--keep-logs`` also writes each configuration's engine
 log there (per-repeat tok/s, warnings). Dummy weights make outputs meaningless
@@ -36,12 +40,14 @@ import datetime
 import json
 import os
 import platform
+import queue
 import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +114,7 @@ KERNEL_CLASSES = [
 ]
 _RESULT = "HYBRIDKV_E2E_RESULT "
 _PROFILE = "HYBRIDKV_E2E_PROFILE "
+_REPLY = "HYBRIDKV_E2E_REPLY "
 # Output steps of a profiled pass: enough to see the decode steps, few enough
 # that the trace (~500 kernels per step on the Qwen3-4B shape) stays small.
 PROFILE_STEPS = 64
@@ -115,6 +122,8 @@ PROFILE_TOP = 15
 # Set (to anything) with --profile/--profile-only: one more pass per scenario
 # under cProfile, printed to the engine's log (--keep-logs keeps it).
 HOST_PROFILE_ENV = "HYBRIDKV_E2E_HOST_PROFILE"
+# Per-repeat figures an --interleave run pairs with auto's same repeat.
+PAIRED = ("output_tok_s", "ttft_median_s", "prefill_median_s")
 
 
 def percentile(xs, q):
@@ -233,8 +242,10 @@ def gpu_state() -> dict:
         return dict(gpu_state_error=f"{type(e).__name__}: {e}")
 
 
-def run_child(spec: dict) -> dict:
-    """One engine, every scenario of the spec; returns per-scenario figures."""
+@contextlib.contextmanager
+def engine(spec: dict):
+    """The configuration's engine, warmed up, and a prompt maker of random
+    token ids: ``(llm, prompts)``; shut down on the way out."""
     import random
 
     from vllm import LLM, SamplingParams
@@ -281,11 +292,49 @@ def run_child(spec: dict) -> dict:
 
         warm = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)
         llm.generate(prompts(2, 64), warm, use_tqdm=False)
-        results = {}
-        for name, (n, in_len, out_len) in scenarios.items():
-            params = SamplingParams(
-                max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=0.0
-            )
+        yield llm, prompts
+        # Free the GPU before this process exits without teardown (main()).
+        try:
+            llm.llm_engine.engine_core.shutdown(timeout=60)
+        except Exception as e:  # noqa: BLE001 - best effort
+            print(f"engine shutdown: {type(e).__name__}: {e}", flush=True)
+
+
+def scenario_params(out_len: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=out_len, ignore_eos=True, detokenize=False, temperature=0.0
+    )
+
+
+def timed_repeat(llm, batch, params) -> dict:
+    """One repeat of a scenario: every prompt queued, then timed to the end."""
+    t0 = time.perf_counter()
+    outs = generate_from_full_queue(llm, batch, params)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft, prefill, tpot = request_times(outs)
+    return dict(
+        wall_s=wall,
+        output_tokens=gen,
+        output_tok_s=gen / wall,
+        ttft_median_s=percentile(ttft, 0.5),
+        ttft_p90_s=percentile(ttft, 0.9),
+        prefill_median_s=percentile(prefill, 0.5),
+        tpot_median_s=percentile(tpot, 0.5),
+        tpot_p90_s=percentile(tpot, 0.9),
+        gpu=gpu_state(),
+    )
+
+
+def run_child(spec: dict) -> dict:
+    """One engine, every scenario of the spec; returns per-scenario figures."""
+    results = {}
+    with engine(spec) as (llm, prompts):
+        for name in spec["scenarios"]:
+            n, in_len, out_len = SCENARIOS[name]
+            params = scenario_params(out_len)
             if spec.get("profile"):
                 params.max_tokens = min(out_len, PROFILE_STEPS)
                 # Prompts of its own for the profiled pass: the untimed
@@ -303,39 +352,36 @@ def run_child(spec: dict) -> dict:
                     flush=True,
                 )
                 continue
-            reps = []
-            for _ in range(spec["repeats"]):
-                batch = prompts(n, in_len)
-                t0 = time.perf_counter()
-                outs = generate_from_full_queue(llm, batch, params)
-                wall = time.perf_counter() - t0
-                gen = sum(len(o.outputs[0].token_ids) for o in outs)
-                ttft, prefill, tpot = request_times(outs)
-                reps.append(
-                    dict(
-                        wall_s=wall,
-                        output_tokens=gen,
-                        output_tok_s=gen / wall,
-                        ttft_median_s=percentile(ttft, 0.5),
-                        ttft_p90_s=percentile(ttft, 0.9),
-                        prefill_median_s=percentile(prefill, 0.5),
-                        tpot_median_s=percentile(tpot, 0.5),
-                        tpot_p90_s=percentile(tpot, 0.9),
-                        gpu=gpu_state(),
-                    )
-                )
+            reps = [
+                timed_repeat(llm, prompts(n, in_len), params)
+                for _ in range(spec["repeats"])
+            ]
             results[name] = reps
             print(
                 f"[{spec['model']} {spec['kv']}] {name}: "
                 + ", ".join(f"{r['output_tok_s']:.0f} tok/s" for r in reps),
                 flush=True,
             )
-        # Free the GPU before this process exits without teardown (main()).
-        try:
-            llm.llm_engine.engine_core.shutdown(timeout=60)
-        except Exception as e:  # noqa: BLE001 - best effort
-            print(f"engine shutdown: {type(e).__name__}: {e}", flush=True)
     return results
+
+
+def serve_child(spec: dict) -> None:
+    """One engine that runs one repeat of a scenario per request line on
+    stdin (JSON ``{"scenario": name}``) and answers each on stdout; an empty
+    line or EOF ends it. The parent alternates such engines (--interleave)."""
+    with engine(spec) as (llm, prompts):
+        _reply(ready=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            name = json.loads(line)["scenario"]
+            n, in_len, out_len = SCENARIOS[name]
+            rep = timed_repeat(llm, prompts(n, in_len), scenario_params(out_len))
+            _reply(scenario=name, repeat=rep)
+
+
+def _reply(**msg) -> None:
+    print(_REPLY + json.dumps(msg), flush=True)
 
 
 def profile_scenario(llm, untimed, profiled, params, host=None) -> list[dict]:
@@ -395,6 +441,7 @@ def summarize(reps: list[dict]) -> dict:
         repeats=len(reps),
         output_tok_s=statistics.median(toks),
         output_tok_s_spread=spread(toks),
+        output_tok_s_reps=toks,
         ttft_median_s_reps=ttfts,
         ttft_median_s_spread=spread(ttfts),
         prefill_median_s_reps=[r.get("prefill_median_s") for r in reps],
@@ -478,6 +525,155 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
     return row
 
 
+class ServedConfig:
+    """One configuration's process under --interleave: an engine that runs a
+    scenario's repeat per request (serve_child). Its output is read on a
+    thread, so a reply can be awaited with a time limit and the log is kept.
+    The limit (--timeout) holds for each reply, the engine's start or one
+    repeat, not for the process's life: the engines wait for each other."""
+
+    def __init__(self, cmd: list[str], env: dict, timeout: float):
+        self.timeout = timeout
+        self.started = time.time()
+        self.log: list[str] = []
+        self._replies: queue.Queue = queue.Queue()
+        # A process group of its own, as in run_process_group: the engine
+        # core must go down with it.
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith(_REPLY):
+                self._replies.put(json.loads(line[len(_REPLY) :]))
+        self._replies.put(None)
+
+    def reply(self) -> dict:
+        """The next reply; RuntimeError when the process ends or runs out of
+        time first (it is then killed)."""
+        try:
+            msg = self._replies.get(timeout=self.timeout)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError("timeout") from None
+        if msg is None:
+            self.proc.wait()
+            raise RuntimeError(f"exited with rc {self.proc.returncode}")
+        return msg
+
+    def ask(self, scenario: str) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(dict(scenario=scenario)) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it has gone: reply() says how
+            pass
+        return self.reply()["repeat"]
+
+    def finish(self) -> dict:
+        """Ends the engine; its last reply names the device."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+        done = self.reply()
+        self.proc.wait(timeout=self.timeout)
+        return done
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def served_command(spec: dict) -> list[str]:
+    return [sys.executable, __file__, "--serve", json.dumps(spec)]
+
+
+def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
+    """Every KV dtype's engine resident at once, each with an equal share of
+    --gpu-memory-utilization, started one after another (an engine sizes its
+    KV cache from the memory free when it starts); then each repeat of a
+    scenario runs once on every engine, in an order that rotates, before the
+    next repeat. One-step TTFT drifted in runs of slow repeats over minutes
+    (17-145 % spreads), which back-to-back configurations each met at other
+    times; alternated repeats meet the same drift."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
+        ),
+    )
+    served, rows = {}, {}
+    for kv in kvs:
+        spec = dict(
+            model=model,
+            kv=kv,
+            scenarios=scenarios,
+            gpu_memory_utilization=args.gpu_memory_utilization / len(kvs),
+        )
+        cfg = ServedConfig(served_command(spec), env, args.timeout)
+        rows[kv] = dict(model=model, kv=kv, rc=None, interleaved=True)
+        try:
+            cfg.reply()
+            served[kv] = cfg
+            print(f"{model} {kv}: engine ready", flush=True)
+        except RuntimeError as e:
+            _close_row(rows[kv], cfg, args, str(e))
+    reps = {kv: {name: [] for name in scenarios} for kv in served}
+    for name in scenarios:
+        for i in range(args.repeats):
+            order = kvs[i % len(kvs) :] + kvs[: i % len(kvs)]
+            for kv in order:
+                if kv not in served:
+                    continue
+                try:
+                    reps[kv][name].append(served[kv].ask(name))
+                except RuntimeError as e:
+                    _close_row(rows[kv], served.pop(kv), args, str(e))
+        for kv in served:
+            toks = [r["output_tok_s"] for r in reps[kv][name]]
+            print(
+                f"[{model} {kv}] {name}: {statistics.median(toks):.0f} tok/s "
+                f"(median of {len(toks)}, {min(toks):.0f}-{max(toks):.0f})",
+                flush=True,
+            )
+    for kv, cfg in served.items():
+        try:
+            rows[kv]["device"] = cfg.finish().get("device")
+            rows[kv]["scenarios"] = {n: summarize(r) for n, r in reps[kv].items()}
+            _close_row(rows[kv], cfg, args, None)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            _close_row(rows[kv], cfg, args, str(e) or type(e).__name__)
+    return [rows[kv] for kv in kvs]
+
+
+def _close_row(row, cfg, args, error):
+    """Fills a configuration's row from its ended (or failed) process."""
+    if error is not None:
+        cfg.kill()
+        row["rc"] = "timeout" if error == "timeout" else cfg.proc.returncode
+    else:
+        row["rc"] = cfg.proc.returncode
+    row["wall_s"] = round(time.time() - cfg.started, 1)
+    log = "".join(cfg.log)
+    if args.keep_logs:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        name = f"e2e-{row['model']}-{row['kv']}-interleaved.log"
+        Path(args.out, name).write_text(log)
+    m = _KV_TOKENS.findall(log)
+    row["kv_tokens"] = int(m[-1].replace(",", "")) if m else None
+    if "scenarios" not in row:
+        row["error_tail"] = (f"{error}\n" if error else "") + log[-3000:]
+
+
 def add_ratios(rows):
     base = {r["model"]: r for r in rows if r["kv"] == "auto" and "scenarios" in r}
     for r in rows:
@@ -500,6 +696,26 @@ def add_ratios(rows):
             ):
                 if s.get(key) and bs.get(key):
                     s[key + "_vs_auto"] = s[key] / bs[key]
+            if r.get("interleaved") and b.get("interleaved"):
+                for key in PAIRED:
+                    s[key + "_paired"] = paired_ratios(
+                        s.get(key + "_reps"), bs.get(key + "_reps")
+                    )
+
+
+def paired_ratios(xs, base) -> dict | None:
+    """Median and quartiles of repeat i's figure over auto's repeat i: with
+    --interleave the two ran seconds apart, so drift that moves both cancels
+    here where it does not in a ratio of medians."""
+    ratios = [x / b for x, b in zip(xs or [], base or []) if x and b]
+    if not ratios:
+        return None
+    return dict(
+        n=len(ratios),
+        median=percentile(ratios, 0.5),
+        q25=percentile(ratios, 0.25),
+        q75=percentile(ratios, 0.75),
+    )
 
 
 def fmt(x, spec=".2f", scale=1.0):
@@ -555,6 +771,37 @@ def markdown(meta, rows):
                 f"({fmt(s.get('prefill_median_s_vs_auto'))}x) | "
                 f"{tpot} ({fmt(s.get('tpot_median_s_vs_auto'))}x) |"
             )
+    paired = [r for r in rows if r.get("interleaved") and r["kv"] != "auto"]
+    if any("scenarios" in r for r in paired):
+        out += [
+            "",
+            "## Interleaved repeats: each repeat over auto's same repeat",
+            "",
+            (
+                "Every KV dtype's engine was resident at once (an equal share of "
+                "the memory: KV tokens are not comparable to a run without "
+                "--interleave) and each repeat ran on every engine in turn. "
+                "Median of the per-repeat ratios, quartiles in brackets."
+            ),
+            "",
+            "| model | KV | scenario | repeats | tok/s | TTFT | prefill |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in paired:
+            for name, s in r.get("scenarios", {}).items():
+                cells = []
+                for key in PAIRED:
+                    q = s.get(key + "_paired")
+                    cells.append(
+                        "n/a"
+                        if q is None
+                        else f"{q['median']:.2f}x ({q['q25']:.2f}-{q['q75']:.2f})"
+                    )
+                out.append(
+                    f"| {r['model']} | {r['kv']} | {name} | {s['repeats']} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
     return "\n".join(out) + "\n"
 
 
@@ -625,13 +872,19 @@ def profile_markdown(meta, profiles) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help=f"subset: {QUICK}")
     ap.add_argument("--models", nargs="*", choices=list(MODELS))
     ap.add_argument("--kv", nargs="*", choices=KV_DTYPES)
     ap.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS))
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument(
+        "--timeout",
+        type=int,
+        default=1800,
+        help="seconds per process (--interleave: per engine start or repeat)",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -641,6 +894,14 @@ def main():
         "--profile-only",
         action="store_true",
         help="only the per-step profiles (no timed repeats)",
+    )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help=(
+            "every KV dtype's engine resident at once, sharing "
+            "--gpu-memory-utilization; repeats alternate between them"
+        ),
     )
     ap.add_argument(
         "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
@@ -677,6 +938,18 @@ def main():
         # Skip interpreter teardown (the engine core was shut down above): a
         # hang there would hold the parent until its timeout.
         os._exit(0)
+    if args.serve:
+        serve_child(json.loads(args.serve))
+        import torch
+
+        _reply(done=True, device=torch.cuda.get_device_name())
+        sys.stderr.flush()
+        os._exit(0)
+    if args.interleave and (args.profile or args.profile_only):
+        ap.error(
+            "--interleave times repeats and does not profile: run --profile "
+            "or --profile-only without it"
+        )
 
     base = (
         QUICK
@@ -712,6 +985,7 @@ def main():
         tq_decode=os.environ.get("HYBRIDKV_TQ_DECODE", "default"),
         # Result files without this key streamed requests into a running engine.
         queue="full",
+        interleave=args.interleave,
     )
     print(
         f"vLLM {meta['vllm']}: {models} x {kvs} x {scenarios}",
@@ -724,6 +998,14 @@ def main():
     rows = []
     profiles = []
     for model in models:
+        if args.interleave:
+            rows += run_interleaved(model, kvs, scenarios, args)
+            for row in rows[-len(kvs) :]:
+                if "scenarios" not in row:
+                    print(f"{model} {row['kv']}: FAILED rc={row['rc']}", flush=True)
+                    print(row["error_tail"][-1500:], flush=True)
+            write_results(out, stamp, meta, rows, profiles, start)
+            continue
         for kv in kvs:
             if args.profile or args.profile_only:
                 prow = run_config(model, kv, scenarios, args, profile=True)

@@ -4,6 +4,7 @@
 engine logs it keeps, how it hands a scenario's requests to the engine, and
 how it sums up repeats."""
 
+import json
 import os
 import re
 import signal
@@ -211,7 +212,7 @@ def test_first_token_times_decode_heavys_prefill_step_alone(
     monkeypatch.setattr(e2e, "run_config", run_config)
     readme = (REPO / "benchmarks" / "README.md").read_text()
     (command,) = re.findall(
-        r"`python (benchmarks/e2e/\S+ [^`]*first-token[^`]*)`", readme
+        r"`python (benchmarks/e2e/\S+ [^`]*first-token --repeats \d+)`", readme
     )
     monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
     e2e.main()
@@ -373,3 +374,141 @@ def test_bad_arguments_are_named_before_any_engine_starts(
         e2e.main()
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
+
+
+# A served engine for --interleave without vLLM: it speaks serve_child's
+# protocol, and its TTFT follows a drift shared by every engine (the first
+# half of all repeats, counted across processes, run 2x slow) times its own
+# factor. The drift moves whole rounds: each round of len(kvs) repeats runs
+# in one phase.
+_FAKE_ENGINE = """
+import json, os, sys
+spec = json.loads(sys.argv[1])
+counter, rounds, n_kv, behaviour = sys.argv[2:6]
+if behaviour == "fail-start":
+    print("engine failed to start: CUDA out of memory", flush=True)
+    sys.exit(3)
+if behaviour == "hang-start":
+    import time
+    time.sleep(60)
+print("INFO GPU KV cache size: 1,234 tokens", flush=True)
+reply = lambda **m: print("HYBRIDKV_E2E_REPLY " + json.dumps(m), flush=True)
+reply(ready=True)
+factor = 1.0 if spec["kv"] == "auto" else 1.05
+for line in sys.stdin:
+    if not line.strip():
+        break
+    with open(counter, "a+") as f:
+        f.seek(0)
+        done = len(f.read())
+        f.write(spec["kv"][-1])
+    slow = 2.0 if done // int(n_kv) < int(rounds) // 2 else 1.0
+    ttft = 0.035 * slow * factor
+    rep = dict(wall_s=ttft, output_tokens=32, output_tok_s=32 / ttft,
+               ttft_median_s=ttft, ttft_p90_s=ttft, prefill_median_s=ttft,
+               tpot_median_s=None, tpot_p90_s=None, gpu={})
+    reply(scenario=json.loads(line)["scenario"], repeat=rep, order=done)
+reply(done=True, device="fake H100")
+"""
+
+
+def _fake_served(e2e, monkeypatch, tmp_path, rounds, behaviour=None):
+    counter = tmp_path / "asked"
+    asked = []
+
+    def served_command(spec):
+        asked.append(spec)
+        how = (behaviour or {}).get(spec["kv"], "serve")
+        return [sys.executable, "-c", _FAKE_ENGINE, json.dumps(spec), str(counter),
+                str(rounds), "3", how]  # fmt: skip
+
+    monkeypatch.setattr(e2e, "served_command", served_command)
+    return asked, counter
+
+
+def _interleave_command():
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    (command,) = re.findall(
+        r"`python (benchmarks/e2e/\S+ [^`]*--interleave[^`]*)`", readme
+    )
+    return command
+
+
+def test_interleaved_repeats_pair_each_kv_dtype_with_auto(
+    e2e, monkeypatch, capsys, tmp_path
+):
+    """benchmarks/README.md's --interleave command: three engines resident at
+    once, each with a third of the memory, each repeat run on all three in a
+    rotating order. A drift that doubles every engine's TTFT for half the run
+    cancels in the per-repeat ratio: 1.05x exactly, quartiles included."""
+    command = _interleave_command()
+    repeats = int(re.search(r"--repeats (\d+)", command)[1])
+    asked, counter = _fake_served(e2e, monkeypatch, tmp_path, repeats)
+    monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
+    e2e.main()
+    assert [s["kv"] for s in asked] == [
+        "auto",
+        "turboquant_k8v4",
+        "turboquant_4bit_nc",
+    ]
+    assert [s["gpu_memory_utilization"] for s in asked] == pytest.approx([0.3] * 3)
+    assert {tuple(s["scenarios"]) for s in asked} == {("first-token",)}
+    # Each round of three repeats starts one engine later than the last.
+    order = counter.read_text()
+    assert order[:9] == "o4c4coco4"  # each KV dtype's last letter
+    assert len(order) == 3 * repeats
+    md = capsys.readouterr().out
+    assert "## Interleaved repeats: each repeat over auto's same repeat" in md
+    row = f"| Qwen3-4B | turboquant_4bit_nc | first-token | {repeats} |"
+    assert f"{row} 0.95x (0.95-0.95) | 1.05x (1.05-1.05) | 1.05x (1.05-1.05) |" in md
+    assert "| Qwen3-4B | turboquant_k8v4 | 1,234 (1.00x) | first-token |" in md
+    (json_file,) = tmp_path.glob("e2e-*.json")
+    rows = json.loads(json_file.read_text())["rows"]
+    assert {r["device"] for r in rows} == {"fake H100"}
+    assert all(r["rc"] == 0 and r["interleaved"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "behaviour, rc, named",
+    [
+        ("fail-start", 3, "exited with rc 3\nengine failed to start"),
+        ("hang-start", "timeout", "timeout"),
+    ],
+)
+def test_an_interleaved_engine_that_does_not_start_fails_alone(
+    e2e, monkeypatch, tmp_path, behaviour, rc, named
+):
+    """A configuration whose engine dies or hangs before it is ready gets a
+    FAILED row naming why; the others are still timed against auto."""
+    _fake_served(
+        e2e, monkeypatch, tmp_path, 4, behaviour={"turboquant_k8v4": behaviour}
+    )
+    args = Namespace(
+        repeats=4,
+        gpu_memory_utilization=0.9,
+        timeout=3,
+        keep_logs=True,
+        out=str(tmp_path),
+    )
+    kvs = ["auto", "turboquant_k8v4", "turboquant_4bit_nc"]
+    rows = e2e.run_interleaved("Qwen3-4B", kvs, ["first-token"], args)
+    failed, ok = rows[1], [rows[0], rows[2]]
+    assert failed["rc"] == rc and "scenarios" not in failed
+    assert failed["error_tail"].startswith(named)
+    assert all(r["scenarios"]["first-token"]["repeats"] == 4 for r in ok)
+    assert (tmp_path / "e2e-Qwen3-4B-turboquant_k8v4-interleaved.log").exists()
+    e2e.add_ratios(rows)
+    paired = rows[2]["scenarios"]["first-token"]["ttft_median_s_paired"]
+    assert paired["median"] == pytest.approx(1.05)
+
+
+def test_interleave_refuses_the_profile_flags(e2e, monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys, "argv", ["benchmark_turboquant_e2e.py", "--interleave", "--profile"]
+    )
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main()
+    assert exit_.value.code == 2
+    assert "--interleave times repeats and does not profile" in (
+        capsys.readouterr().err
+    )
