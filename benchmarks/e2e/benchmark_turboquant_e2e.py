@@ -486,6 +486,18 @@ def run_process_group(
         raise
 
 
+def child_env() -> dict:
+    """A configuration process's environment: this one, with the repo
+    appended to PYTHONPATH for the model configs under tests/. The repo's
+    vllm/ has no __init__.py, so the installed vllm package still wins."""
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
+        ),
+    )
+
+
 def run_config(model, kv, scenarios, args, profile=False) -> dict:
     spec = dict(
         model=model,
@@ -497,12 +509,7 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
     )
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
     t0 = time.time()
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
-        ),
-    )
+    env = child_env()
     log, rc = run_process_group(cmd, args.timeout, env)
     row = dict(model=model, kv=kv, rc=rc, wall_s=round(time.time() - t0, 1))
     if args.keep_logs:
@@ -605,12 +612,7 @@ def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
     next repeat. One-step TTFT drifted in runs of slow repeats over minutes
     (17-145 % spreads), which back-to-back configurations each met at other
     times; alternated repeats meet the same drift."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            p for p in (os.environ.get("PYTHONPATH", ""), str(REPO)) if p
-        ),
-    )
+    env = child_env()
     served, rows = {}, {}
     for kv in kvs:
         spec = dict(
@@ -914,7 +916,11 @@ def main():
     args = ap.parse_args()
     counts = {
         "--repeats": (args.repeats, "timed repeats of each scenario"),
-        "--timeout": (args.timeout, "seconds a configuration's process may run"),
+        "--timeout": (
+            args.timeout,
+            "seconds a configuration's process may run (--interleave: per "
+            "engine start or repeat)",
+        ),
     }
     for flag, (value, what) in counts.items():
         if value is not None and value < 1:
