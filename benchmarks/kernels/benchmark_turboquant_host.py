@@ -11,8 +11,8 @@ the GPU waits: the end-to-end profile's "gap" column. On high-load (500 x
 auto's, and its wall 8.5 ms more, all of it gap (results/e2e-20261124-100132.md).
 
 Per layer and step, on Qwen3-4B's attention shape (32/8 heads x 128), one
-mixed step (decode rows beside first prefill chunks) and one eager decode
-step:
+mixed step (decode rows beside first prefill chunks), one eager decode step
+and one step of first chunks alone:
 
 - ``host``: µs the host spends per call, measured while a sleeping kernel
   keeps the GPU busy, so no call waits on the GPU;
@@ -50,6 +50,11 @@ HQ, HK, D, PAGE = 32, 8, 128, 16
 STEPS = {
     "mixed": dict(decodes=448, context=576, prefills=15, prefill_len=512),
     "decode": dict(decodes=512, context=576, prefills=0, prefill_len=0),
+    # The e2e harness's first-token step (decode-heavy's prefill): 32 first
+    # chunks of 64 tokens. Its GPU time is auto's within 0.4 %, yet paired
+    # TTFT read 1.06-1.09x on a host where auto's step took 37 ms for 25 ms
+    # of kernels (results/e2e-20261125-025330.md).
+    "first-token": dict(decodes=0, context=0, prefills=32, prefill_len=64),
 }
 # GPU cycles the sleeping kernel spins (~60 ms on an H100 at 1.7 GHz): longer
 # than the host takes to enqueue CALLS calls of any configuration here.
@@ -323,11 +328,17 @@ def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> 
         "while the GPU sleeps, GPU from events over the same calls. Qwen3-4B "
         f"attention (32/8 x 128), pages of {PAGE}. Steps: "
         + "; ".join(
-            f"{name} = {s['decodes']} decode rows x {s['context']}"
-            + (
-                f" + {s['prefills']} first chunks x {s['prefill_len']}"
-                if s["prefills"]
-                else ""
+            f"{name} = "
+            + " + ".join(
+                part
+                for part, n in (
+                    (f"{s['decodes']} decode rows x {s['context']}", s["decodes"]),
+                    (
+                        f"{s['prefills']} first chunks x {s['prefill_len']}",
+                        s["prefills"],
+                    ),
+                )
+                if n
             )
             for name, s in STEPS.items()
         ),  # fmt: skip

@@ -85,3 +85,23 @@ def test_an_unknown_preset_is_named_before_anything_runs(bench, capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'turboquant_5bit'" in err
     assert "turboquant_k8v4" in err  # the valid ones
+
+
+def test_the_first_token_step_is_the_e2e_scenarios_prefill_alone(bench):
+    """The e2e harness's first-token scenario is one step of first chunks;
+    the host benchmark times that step's layer, and its table names it
+    without decode rows."""
+    e2e = import_benchmark("benchmarks.e2e.benchmark_turboquant_e2e")
+    prompts, prompt_len, _ = e2e.SCENARIOS["first-token"]
+    step = bench.STEPS["first-token"]
+    assert (step["decodes"], step["prefills"], step["prefill_len"]) == (
+        0,
+        prompts,
+        prompt_len,
+    )
+    cam, _ = bench._step_metadata(**step, device=torch.device("cpu"))
+    assert cam.num_actual_tokens == prompts * prompt_len
+    assert cam.max_query_len == cam.max_seq_len == prompt_len
+    md = bench.markdown("H100", [])
+    assert "first-token = 32 first chunks x 64" in md
+    assert "decode = 512 decode rows x 576;" in md
