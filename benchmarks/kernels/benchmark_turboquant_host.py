@@ -52,8 +52,8 @@ STEPS = {
     "decode": dict(decodes=512, context=576, prefills=0, prefill_len=0),
     # The e2e harness's first-token step (decode-heavy's prefill): 32 first
     # chunks of 64 tokens. Its GPU time is auto's within 0.4 %, yet paired
-    # TTFT read 1.06-1.09x on a host where auto's step took 37 ms for 25 ms
-    # of kernels (results/e2e-20261125-025330.md).
+    # TTFT and prefill read 1.06-1.09x on a host where auto's step took 37 ms
+    # for 25 ms of kernels (results/e2e-20261125-025330.md).
     "first-token": dict(decodes=0, context=0, prefills=32, prefill_len=64),
 }
 # GPU cycles the sleeping kernel spins (~60 ms on an H100 at 1.7 GHz): longer
