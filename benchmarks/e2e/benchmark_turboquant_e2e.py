@@ -532,6 +532,15 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
     return row
 
 
+class EngineGone(Exception):
+    """A served engine that ended, or ran out of time, before its reply;
+    ``rc`` is its return code or "timeout". It has been killed."""
+
+    def __init__(self, rc: int | str, message: str):
+        super().__init__(message)
+        self.rc = rc
+
+
 class ServedConfig:
     """One configuration's process under --interleave: an engine that runs a
     scenario's repeat per request (serve_child). Its output is read on a
@@ -565,16 +574,17 @@ class ServedConfig:
         self._replies.put(None)
 
     def reply(self) -> dict:
-        """The next reply; RuntimeError when the process ends or runs out of
-        time first (it is then killed)."""
+        """The next reply; EngineGone when the process ends or runs out of
+        time first."""
         try:
             msg = self._replies.get(timeout=self.timeout)
         except queue.Empty:
             self.kill()
-            raise RuntimeError("timeout") from None
+            raise EngineGone("timeout", "timeout") from None
         if msg is None:
-            self.proc.wait()
-            raise RuntimeError(f"exited with rc {self.proc.returncode}")
+            self.kill()  # its engine core may outlive it
+            rc = self.proc.returncode
+            raise EngineGone(rc, f"exited with rc {rc}")
         return msg
 
     def ask(self, scenario: str) -> dict:
@@ -591,7 +601,11 @@ class ServedConfig:
             self.proc.stdin.write("\n")
             self.proc.stdin.close()
         done = self.reply()
-        self.proc.wait(timeout=self.timeout)
+        try:
+            self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired as e:
+            self.kill()
+            raise EngineGone(self.proc.returncode, str(e)) from None
         return done
 
     def kill(self):
@@ -627,8 +641,8 @@ def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
             cfg.reply()
             served[kv] = cfg
             print(f"{model} {kv}: engine ready", flush=True)
-        except RuntimeError as e:
-            _close_row(rows[kv], cfg, args, str(e))
+        except EngineGone as e:
+            _close_row(rows[kv], cfg, args, e)
     reps = {kv: {name: [] for name in scenarios} for kv in served}
     for name in scenarios:
         for i in range(args.repeats):
@@ -638,8 +652,8 @@ def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
                     continue
                 try:
                     reps[kv][name].append(served[kv].ask(name))
-                except RuntimeError as e:
-                    _close_row(rows[kv], served.pop(kv), args, str(e))
+                except EngineGone as e:
+                    _close_row(rows[kv], served.pop(kv), args, e)
         for kv in served:
             toks = [r["output_tok_s"] for r in reps[kv][name]]
             print(
@@ -652,18 +666,14 @@ def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
             rows[kv]["device"] = cfg.finish().get("device")
             rows[kv]["scenarios"] = {n: summarize(r) for n, r in reps[kv].items()}
             _close_row(rows[kv], cfg, args, None)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            _close_row(rows[kv], cfg, args, str(e) or type(e).__name__)
+        except EngineGone as e:
+            _close_row(rows[kv], cfg, args, e)
     return [rows[kv] for kv in kvs]
 
 
-def _close_row(row, cfg, args, error):
+def _close_row(row, cfg, args, error: EngineGone | None):
     """Fills a configuration's row from its ended (or failed) process."""
-    if error is not None:
-        cfg.kill()
-        row["rc"] = "timeout" if error == "timeout" else cfg.proc.returncode
-    else:
-        row["rc"] = cfg.proc.returncode
+    row["rc"] = cfg.proc.returncode if error is None else error.rc
     row["wall_s"] = round(time.time() - cfg.started, 1)
     log = "".join(cfg.log)
     if args.keep_logs:

@@ -320,6 +320,16 @@ def launch_breakdown(preset: str, device) -> dict:
     return {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
 
 
+def _step_text(step: dict) -> str:
+    """A step's decode rows and first chunks, whichever it has."""
+    parts = []
+    if step["decodes"]:
+        parts.append(f"{step['decodes']} decode rows x {step['context']}")
+    if step["prefills"]:
+        parts.append(f"{step['prefills']} first chunks x {step['prefill_len']}")
+    return " + ".join(parts)
+
+
 def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
@@ -327,21 +337,7 @@ def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> 
         f"µs per call, medians of {ROUNDS} rounds of {CALLS} calls; host measured "
         "while the GPU sleeps, GPU from events over the same calls. Qwen3-4B "
         f"attention (32/8 x 128), pages of {PAGE}. Steps: "
-        + "; ".join(
-            f"{name} = "
-            + " + ".join(
-                part
-                for part, n in (
-                    (f"{s['decodes']} decode rows x {s['context']}", s["decodes"]),
-                    (
-                        f"{s['prefills']} first chunks x {s['prefill_len']}",
-                        s["prefills"],
-                    ),
-                )
-                if n
-            )
-            for name, s in STEPS.items()
-        ),  # fmt: skip
+        + "; ".join(f"{name} = {_step_text(s)}" for name, s in STEPS.items()),
         "",
         "| KV | step | build host | update host / gpu | forward host / gpu "
         "| layer host - gpu |",
