@@ -27,6 +27,9 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops.triton_turboquant_decode import (
+    triton_turboquant_decode_attention,
+)
 
 PRESETS = list(TQ_PRESETS)
 PAGE = 16
@@ -722,3 +725,27 @@ def test_cuda_graph_replay_follows_new_lengths(preset):
         err = (replayed.double().cpu() - ref).abs().max() / ref.abs().max()
         err = err.item()
         assert err < BF16_TOL, f"replay with lengths {lens}: max error {err:.3g}"
+
+
+def test_decode_writes_into_the_callers_rows(triton_device):
+    """0.20.2's entry point hands its ``output_buf`` on: rows of a layer's
+    output, [tokens, Hq * D] viewed as [B, Hq, D], receive the result in
+    place, and the rows past B keep what they held."""
+    preset, D, gqa, Hk = "turboquant_4bit_nc", 64, 4, 2
+    lens = [19, 45, 3]
+    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, triton_device)
+    B, Hq = len(lens), gqa * Hk
+    query = torch.randn(B, Hq, D).to(triton_device)
+    layer_out = _poisoned((B + 2, Hq * D), triton_device)
+    rows = layer_out[:B].view(B, Hq, D)
+    out = triton_turboquant_decode_attention(
+        query, cache, table, torch.tensor(lens, dtype=torch.int32).to(rows.device),
+        pit.T.contiguous(), centroids, D**-0.5, cfg.key_mse_bits,
+        cfg.key_packed_size, cfg.effective_value_quant_bits,
+        norm_correction=cfg.norm_correction, PiT=pit, output_buf=rows,
+    )  # fmt: skip
+    assert out.data_ptr() == rows.data_ptr(), "the result was not written in place"
+    ref = _reference(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
+    err = (rows.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL
+    assert layer_out[B:].isnan().all()

@@ -42,20 +42,25 @@ TOL = 2e-5  # relative to max |out|: fp32 rounding
 
 
 class FlashStandIn:
-    """``flash_attn_varlen_func(..., causal=True)`` in float64, counted.
+    """``flash_attn_varlen_func(..., causal=True)`` in float64, counted; into
+    ``out`` when given, as the real one.
 
     Reads its lengths with ``numpy()``, which the host-sync guard allows: the
     real kernel reads them on the device."""
 
     def __init__(self):
         self.calls = 0
+        self.outs: list[torch.Tensor | None] = []
 
     def __call__(
         self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw
     ):
         self.calls += 1
         qs, ks = cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy()
-        out = torch.empty_like(q)
+        out = kw.get("out")
+        self.outs.append(out)
+        if out is None:
+            out = torch.empty_like(q)
         for i in range(len(qs) - 1):
             a, b, c, d = int(qs[i]), int(qs[i + 1]), int(ks[i]), int(ks[i + 1])
             out[a:b] = _attention(q[a:b], k[c:d], v[c:d], kw["softmax_scale"])
@@ -152,9 +157,10 @@ def _exact_kv(n, device):
     return k.to(device), (idx.float() / 8 - 1).to(device)
 
 
-def _run(preset, device, monkeypatch, group_tokens=64):
+def _run(preset, device, monkeypatch, group_tokens=64, dtype=torch.float32):
     """One mixed step through the builder and forward; returns the inputs and
-    the output [tokens, HQ, D]."""
+    the output [tokens, HQ, D]. ``dtype``: the model's (bf16 holds the K/V
+    exactly)."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
@@ -175,7 +181,7 @@ def _run(preset, device, monkeypatch, group_tokens=64):
 
     # Every request's whole sequence, stored as the earlier steps and this
     # step's cache update would have.
-    seqs = [_exact_kv(s, device) for s in SEQ_LENS]
+    seqs = [tuple(t.to(dtype) for t in _exact_kv(s, device)) for s in SEQ_LENS]
     k_all = torch.cat([k for k, _ in seqs])
     v_all = torch.cat([v for _, v in seqs])
     impl._ensure_on_device(layer, torch.device(device))
@@ -186,7 +192,7 @@ def _run(preset, device, monkeypatch, group_tokens=64):
     meta = _builder(group_tokens).build(0, _step(table, device))
     k_new = torch.cat([k[s - q :] for (k, _), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
     v_new = torch.cat([v[s - q :] for (_, v), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
-    q = torch.randn(sum(Q_LENS), HQ, D, device=device)
+    q = torch.randn(sum(Q_LENS), HQ, D, device=device).to(dtype)
     with no_host_sync(monkeypatch):
         out = impl.forward(
             layer,
@@ -195,7 +201,9 @@ def _run(preset, device, monkeypatch, group_tokens=64):
             v_new.view(-1, HK * D),
             cache,
             meta,
-            output=torch.full((sum(Q_LENS), HQ * D), float("nan"), device=device),
+            output=torch.full(
+                (sum(Q_LENS), HQ * D), float("nan"), device=device, dtype=dtype
+            ),
         )
     return SimpleNamespace(
         impl=impl, layer=layer, cache=cache, table=table, seqs=seqs, q=q,
@@ -292,6 +300,34 @@ def test_mse_continuation_matches_the_per_request_path(
     first = run.out[1:7].double()
     want = _attention(run.q[1:7], *run.seqs[1], D**-0.5).double()
     assert ((first - want).abs().max() / want.abs().max()).item() < TOL
+
+
+def test_prefill_rows_are_written_where_the_caller_says(
+    triton_device, flash, monkeypatch
+):
+    """Given ``out`` (a layer output's rows), each group's FlashAttention call
+    writes its rows there: no per-call result, no concatenation."""
+    real, calls = turboquant_attn.prefill_attention, []
+
+    def into_rows(impl, query, *args, out=None):  # its own rows, not the caller's
+        buf = torch.full(
+            (query.shape[0] + 2, *query.shape[1:]), float("nan"), device=query.device
+        )
+        rows = buf[1:-1]
+        got = real(impl, query, *args, out=rows)
+        assert got.data_ptr() == rows.data_ptr()
+        assert buf[0].isnan().all() and buf[-1].isnan().all()
+        calls.append(rows)
+        return got
+
+    monkeypatch.setattr(turboquant_attn, "prefill_attention", into_rows)
+    run = _run("turboquant_k8v4", triton_device, monkeypatch, group_tokens=2)
+    assert len(calls) == 1 and flash.calls == 3
+    starts = [o.data_ptr() for o in flash.outs]
+    row_bytes = HQ * D * calls[0].element_size()
+    # The groups' rows in order: request 1 (6 tokens), 2 (5), 3 (3).
+    assert starts == [calls[0].data_ptr() + n * row_bytes for n in (0, 6, 11)]
+    assert _error(run) < TOL
 
 
 def test_the_plan_names_a_batch_that_is_not_decodes_first():

@@ -68,3 +68,19 @@ def test_sdpa_varlen_matches_float64_reference():
         torch.testing.assert_close(
             out[cu_q[i] : cu_q[i + 1]].double(), ref, rtol=1e-4, atol=1e-5
         )
+
+
+def test_sdpa_varlen_writes_into_out():
+    """With ``out`` (rows of a layer's output), the result lands there, as
+    FlashAttention's ``out=`` does, and equals a call without it."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 64), torch.randn(7, 2, 64), torch.randn(7, 2, 64)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    layer_out = torch.full((9, 4 * 64), float("nan"))
+    rows = layer_out[1:8].view(7, 4, 64)
+
+    got = sdpa_varlen_causal(q, k, v, cu, cu, 0.125, out=rows)
+
+    assert got.data_ptr() == rows.data_ptr()
+    torch.testing.assert_close(rows, sdpa_varlen_causal(q, k, v, cu, cu, 0.125))
+    assert layer_out[0].isnan().all() and layer_out[8].isnan().all()

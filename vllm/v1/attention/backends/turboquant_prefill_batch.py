@@ -285,8 +285,10 @@ def prefill_attention(
     Pi: torch.Tensor,
     centroids: torch.Tensor,
     has_flash_attn: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D].
+    """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D],
+    written into ``out`` (shaped like ``query``) when given.
 
     ``impl`` is the layer's ``TurboQuantAttentionImpl``: its varlen
     FlashAttention call where FlashAttention is installed, else SDPA with the
@@ -295,7 +297,8 @@ def prefill_attention(
     attend: Callable[..., torch.Tensor] = (
         impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
     )
-    outs = []
+    if out is None:
+        out = torch.empty_like(query)
     for g in batch.groups:
         q = query[g.tok_start : g.tok_end]
         k = key[g.tok_start : g.tok_end]
@@ -320,15 +323,14 @@ def prefill_attention(
             k_all.index_copy_(0, p.chunk_rows, k)
             v_all.index_copy_(0, p.chunk_rows, v)
             k, v, cu_k, max_k = k_all, v_all, p.cu_seqlens_k, g.max_seq_len
-        outs.append(
-            attend(
-                q=q,
-                k=k,
-                v=v,
-                cu_seqlens_q=g.cu_seqlens_q,
-                cu_seqlens_k=cu_k,
-                max_seqlen_q=g.max_query_len,
-                max_seqlen_k=max_k,
-            )
+        attend(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=g.cu_seqlens_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=g.max_query_len,
+            max_seqlen_k=max_k,
+            out=out[g.tok_start : g.tok_end],
         )
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out

@@ -1178,13 +1178,15 @@ def maybe_decode_attention(
     PiT: torch.Tensor | None = None,
     mid_o_buf: torch.Tensor | None = None,
     max_num_kv_splits: int = 32,
+    output_buf: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``triton_turboquant_decode_attention``'s call, served here.
 
     None when the kernel is switched off (``HYBRIDKV_TQ_DECODE=legacy``) or
     does not serve the layout; the caller then runs 0.20.2's kernel. The
     backend's decode rows (plain and speculative verify rows) and its short
-    continuation chunks all arrive through that entry point.
+    continuation chunks all arrive through that entry point. Its
+    ``output_buf`` is written in place where ``decode_attention`` can.
     """
     B, Hq, D = query.shape
     if not ENABLED or not supports(
@@ -1207,6 +1209,7 @@ def maybe_decode_attention(
         key_fp8=key_fp8,
         norm_correction=norm_correction,
         mid_o_buf=mid_o_buf,
+        output_buf=output_buf,
         max_num_kv_splits=max_num_kv_splits,
         hadamard_query=not key_fp8 and is_backend_hadamard(PiT),
     )

@@ -41,8 +41,10 @@ def sdpa_varlen_causal(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``flash_attn_varlen_func(..., causal=True)`` on SDPA.
+    """``flash_attn_varlen_func(..., causal=True)`` on SDPA, into ``out``
+    (shaped like ``q``) when given.
 
     Causal masking is aligned to the bottom right, as FlashAttention does when
     a sequence has more keys than queries (a continuation chunk): query ``i``
@@ -50,7 +52,8 @@ def sdpa_varlen_causal(
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     groups = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     qs = cu_seqlens_q.tolist()
     ks = cu_seqlens_k.tolist()
     for i in range(len(qs) - 1):
@@ -85,8 +88,12 @@ def sdpa_varlen_causal(
 def sdpa_prefill(impl: Any):
     """``sdpa_varlen_causal`` with ``impl._flash_attn_varlen``'s signature."""
 
-    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-        return sdpa_varlen_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale)
+    def prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=None
+    ):
+        return sdpa_varlen_causal(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, impl.scale, out=out
+        )
 
     return prefill
 
