@@ -70,25 +70,24 @@ def _watch(monkeypatch, flash_stand_in, output_dtype=None):
     forward an output of another dtype than the query's."""
     seen = SimpleNamespace(writes=None, output=None)
 
+    def kernel(*args, **kwargs):
+        # FlashAttention's writes into out= are the kernel's own (and its
+        # custom op does not pass through a Python dispatch mode).
+        with _disable_current_modes():
+            return flash_stand_in(*args, **kwargs)
+
     def watched(self, layer, query, key, value, kv_cache, meta, output=None, **kw):
         if output_dtype is not None:
             output = output.to(output_dtype)
         mode = WritesInto(output)
-
-        def kernel(*args, **kwargs):
-            # FlashAttention's writes into out= are the kernel's own (and its
-            # custom op does not pass through a Python dispatch mode).
-            with _disable_current_modes():
-                return flash_stand_in(*args, **kwargs)
-
-        monkeypatch.setattr(
-            turboquant_attn, "flash_attn_varlen_func", kernel, raising=False
-        )
         with mode:
             result = _FORWARD(self, layer, query, key, value, kv_cache, meta, output)
         seen.writes, seen.output = mode.writes, output
         return result
 
+    monkeypatch.setattr(
+        turboquant_attn, "flash_attn_varlen_func", kernel, raising=False
+    )
     monkeypatch.setattr(turboquant_attn.TurboQuantAttentionImpl, "forward", watched)
     return seen
 
