@@ -8,7 +8,7 @@ tensors, whatever their layouts, so running the kernel's Python body with
 NumPy arrays checks every index permutation, table and softmax step. Layouts,
 layout conversions and barriers are no-ops here. ``mma_v2`` and some
 inline-asm helpers are replaced by NumPy models (``MODELS``); the other
-helpers' asm runs on ``ptx``, an emulator of the few PTX integer
+helpers' asm runs on ``ptx``, an emulator of the few PTX integer (and f16x2)
 instructions they use, so their text itself is checked. What this cannot
 check is the hardware. Unmasked out-of-bounds loads and stores raise.
 
@@ -215,6 +215,26 @@ def _dp4a(a, b, c):
     return c + sum(((a >> (8 * i)) & 0xFF) * ((b >> (8 * i)) & 0xFF) for i in range(4))
 
 
+def _f16x2(op):
+    """An f16x2 instruction on the two fp16 halves of each operand, computed
+    in float64 and rounded once (as ``fma.rn`` does; ``sub`` of fp16 values
+    is exact in float64 too)."""
+
+    def halves(x):
+        lo = (x & 0xFFFF).astype(np.uint16).view(np.float16)
+        hi = ((x >> 16) & 0xFFFF).astype(np.uint16).view(np.float16)
+        return lo.astype(np.float64), hi.astype(np.float64)
+
+    def run(*xs):
+        parts = [halves(x) for x in xs]
+        lo, hi = (op(*(p[i] for p in parts)).astype(np.float16) for i in (0, 1))
+        return lo.view(np.uint16).astype(np.int64) | (
+            hi.view(np.uint16).astype(np.int64) << 16
+        )
+
+    return run
+
+
 _OPS = {
     "shr.b32": lambda a, b: (a & _M32) >> b,
     "shl.b32": lambda a, b: a << b,
@@ -228,6 +248,8 @@ _OPS = {
     "lop3.b32": _lop3,
     "prmt.b32": _prmt,
     "dp4a.u32.u32": _dp4a,
+    "sub.f16x2": _f16x2(lambda a, b: a - b),
+    "fma.rn.f16x2": _f16x2(lambda a, b, c: a * b + c),
 }
 
 
@@ -310,11 +332,6 @@ def _e4m3x4(w):
     return tuple(_t(_E4M3[(w >> (8 * i)) & 0xFF].astype(np.float16)) for i in range(4))
 
 
-def _u4x8(w):
-    w = np.asarray(w).astype(np.int64)
-    return tuple(_t(((w >> (4 * i)) & 15).astype(np.float16)) for i in range(8))
-
-
 def _mma_v2(a, b, acc, input_precision=None):
     # fp16 products are exact in fp32; the hardware accumulates in fp32.
     r = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
@@ -323,7 +340,6 @@ def _mma_v2(a, b, acc, input_precision=None):
 
 MODELS = {
     "_e4m3x4_to_f16": _e4m3x4,
-    "_u4x8_to_f16": _u4x8,
     "mma_v2": _mma_v2,
 }
 

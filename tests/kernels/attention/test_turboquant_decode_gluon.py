@@ -193,6 +193,8 @@ def test_a_small_batch_splits_into_the_spare_scratch_rows(
     "fault",
     [
         "value nibble order",
+        "value token pairs swapped",
+        "value high nibbles unscaled",
         "key byte order",
         "MSE key tails unsigned",
         "MSE key squares' top plane dropped",
@@ -248,14 +250,22 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
         models[helper.fn.__name__] = lambda *args: gluon_numpy.call(
             helper, *args, rewrite=rewrite
         )
-    elif fault == "value nibble order":
+    elif fault.startswith("value"):
+        helper = gluon_decode._u4x8_pairs_to_f16
+        text, fix = {
+            "value nibble order": ("shr.b32 s, x0, 8;", "shr.b32 s, x0, 4;"),
+            "value token pairs swapped": ("0x5410;", "0x1054;"),
+            "value high nibbles unscaled": ("0x2C002C00;", "0x3C003C00;"),
+        }[fault]
 
-        def wrong(w):
-            n = list(gluon_numpy.MODELS["_u4x8_to_f16"](w))
-            n[1], n[2] = n[2], n[1]
-            return tuple(n)
+        def rewrite(asm):
+            wrong = asm.replace(text, fix)
+            assert wrong != asm
+            return wrong
 
-        models["_u4x8_to_f16"] = wrong
+        models[helper.fn.__name__] = lambda *args: gluon_numpy.call(
+            helper, *args, rewrite=rewrite
+        )
     else:
 
         def wrong(w):
@@ -471,6 +481,24 @@ def test_key_table_decodes_every_nibble(monkeypatch, head_dim):
     assert np.abs(got - c).max() <= 2**-22 * np.abs(c).max()
     want = (c[nib] ** 2).sum(1)
     assert np.abs(sums - want).max() <= 2**-21 * want.max()
+
+
+def test_value_words_pair_two_tokens_per_register():
+    """Output 2 i + t of two tokens' value words is nibble i of token t, as
+    exact fp16, for every nibble value at every position (the B operand of
+    the value dot pairs two tokens of one dimension). Through the kernel's
+    asm on ``gluon_numpy.ptx``."""
+    nib = (
+        np.arange(16)[:, None, None]
+        + 5 * np.arange(8)[None, None, :]
+        + 3 * np.arange(2)[None, :, None]
+    ) % 16  # [16, token, nibble]
+    w = (nib << (4 * np.arange(8))).sum(-1)
+    w = np.where(w >= 2**31, w - 2**32, w).astype(np.int32)
+    out = gluon_numpy.call(gluon_decode._u4x8_pairs_to_f16, w[:, 0], w[:, 1])
+    got = np.stack([np.asarray(o) for o in out], -1).reshape(16, 8, 2)
+    assert got.dtype == np.float16
+    assert np.array_equal(got, nib.transpose(0, 2, 1).astype(np.float16))
 
 
 @pytest.mark.parametrize(("asm", "bias"), [("_MSE3_SPREAD", 4), ("_U3_SPREAD", 0)])
