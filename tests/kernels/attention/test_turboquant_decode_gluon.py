@@ -404,6 +404,39 @@ def test_fp16_centroids_take_one_dot_per_chunk(
     assert tails == [False]
 
 
+@pytest.mark.parametrize(
+    ("preset", "buffer"),
+    [("turboquant_k8v4", "scores"), ("turboquant_4bit_nc", "key Gram")],
+)
+def test_a_warp_that_reads_only_its_own_partials_turns_the_check_red(
+    triton_interpret, monkeypatch, preset, buffer
+):
+    """At head_dim 256 two warps each score half of the dimensions; their
+    partial scores, and with fp16 centroids their key Gram matrices, meet
+    in shared memory once a tile. A warp that read back only its own partial
+    (the others' as 0) moves scores: the float64 check turns red."""
+    _fp16_levels(monkeypatch)
+    load = gluon_numpy._Shared.load
+    loads = []
+
+    def own_only(self, layout):
+        x = load(self, layout)
+        if x.dtype == np.float32 and x.shape == (2, 16, 16):
+            loads.append(None)
+            # Per tile the scores' buffer is read first, then the Gram's.
+            if (buffer == "key Gram") == (len(loads) % 2 == 0):
+                x[1:] = 0
+        return x
+
+    monkeypatch.setattr(gluon_numpy._Shared, "load", own_only)
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner())
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    with pytest.raises(AssertionError, match="max error"):
+        _run(triton_interpret, preset, 256, 4, [19, 45], splits=2)
+    assert loads
+
+
 @pytest.mark.parametrize("fault", [None, "the first cache's token stride kept"])
 def test_each_cache_compiles_with_its_own_token_stride(
     triton_interpret, gluon_on_numpy, monkeypatch, fault

@@ -181,6 +181,19 @@ def launch_config(
         block_bases=[],
         shape=[W, 16, 16],
     )
+    # [W, 16, 16] partial sums of the warps' slices (scores, key Gram), read
+    # back from shared memory by every warp with the W partials in its own
+    # registers: the mma accumulator's layout, the warp axis moved into
+    # registers and the warps broadcast. Summed over W it is the score
+    # tile's layout, so no further exchange.
+    red = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0], [0, 0, 8]]
+        + [[1 << i, 0, 0] for i in range(_log2(W))],
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 0, 0]] * _log2(W),
+        block_bases=[],
+        shape=[W, 16, 16],
+    )
     # The query chunk as ldmatrix reads it: rows of QC fp16 (64 or 128 bytes)
     # with 16-byte pieces XOR-swizzled by row, so the 8 rows of one 8 x 8
     # matrix fall in distinct banks. Unswizzled, those rows shared banks
@@ -202,6 +215,7 @@ def launch_config(
         LDV=ldv,
         KREG=kreg,
         VREG=vreg,
+        RED=red,
         WORD32=word32,
         MSE3=mse3,
         V3=v3,
@@ -747,6 +761,7 @@ def _stage1(
     LDV: gl.constexpr,
     KREG: gl.constexpr,
     VREG: gl.constexpr,
+    RED: gl.constexpr,
     WORD32: gl.constexpr,
     MSE3: gl.constexpr,  # 3-bit MSE keys, converted to 4-bit words on load
     V3: gl.constexpr,  # 3-bit values, the same
@@ -855,11 +870,17 @@ def _stage1(
             qk_scale = qk_scale * gl.load(Table_ptr + 15).to(gl.float32, bitcast=True)
 
     if GRAM:  # the diagonal of a tile's key Gram matrix
-        rows_g = gl.arange(0, 16, layout=ROW)
-        eye = gl.expand_dims(
-            rows_g[:, None] == gl.arange(0, 16, layout=COL)[None, :], 0
-        )
+        eye = gl.arange(0, 16, layout=ROW)[:, None] == ns[None, :]
         zeros_g = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
+    if W > 1:
+        # The warps' partial scores (and Gram matrices) meet here once a
+        # tile. Summed by gl.sum over the warp axis they went through shared
+        # memory twice (partials, then the broadcast sum), 51 instructions
+        # and 2 barriers a warp and tile at head_dim 256 for the scores
+        # alone, 82 and 5 with the Gram's diagonal.
+        x_smem = gl.allocate_shared_memory(gl.float32, [W, 16, 16], _SMEM3)
+        if GRAM:
+            g_smem = gl.allocate_shared_memory(gl.float32, [W, 16, 16], _SMEM3)
 
     # The next tile's words are loaded before this one is computed (a
     # register double buffer), so DRAM latency overlaps the dots.
@@ -947,10 +968,26 @@ def _stage1(
             csq_t = gl.sum(gl.sum(gl.sum(csq, axis=3), axis=2), axis=0)
             csq_t = gl.convert_layout(csq_t, COL).to(gl.float32) * sq_scale
             factor = factor / gl.sqrt(csq_t + 1e-16)
+        # Across the warps' slices. Each warp reads the others' partials
+        # after one barrier; the next tile writes them again only after the
+        # barrier at its top, which every warp passes after these reads.
+        if W > 1:
+            x_smem.store(raw)
+            if GRAM:
+                g_smem.store(gram)
+            gl.thread_barrier()
+            s = gl.sum(x_smem.load(RED), axis=0)
+            if GRAM:
+                gram_t = gl.sum(g_smem.load(RED), axis=0)
+        else:
+            s = gl.sum(raw, axis=0)
+            if GRAM:
+                gram_t = gl.sum(gram, axis=0)
+        s = gl.convert_layout(s, S2, assert_trivial=True)
         if GRAM:  # products exact, sums in fp32
-            dsq = gl.sum(gl.sum(gl.where(eye, gram, 0.0), axis=1), axis=0)
+            gram_t = gl.convert_layout(gram_t, S2, assert_trivial=True)
+            dsq = gl.sum(gl.where(eye, gram_t, 0.0), axis=0)
             factor = factor * gl.rsqrt(gl.convert_layout(dsq, COL) + 1e-30)
-        s = gl.sum(raw, axis=0)  # across the warps' slices
         s8 = gl.sum(gl.reshape(s, [2, 8, 16]), axis=0)  # head + tail rows
         s = gl.reshape(gl.permute(gl.join(s8, s8), [2, 0, 1]), [16, 16])
         s = gl.convert_layout(s, S2, assert_trivial=True)
