@@ -253,7 +253,7 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
     elif fault.startswith("value"):
         helper = gluon_decode._u4x8_pairs_to_f16
         text, fix = {
-            "value nibble order": ("shr.b32 s, x0, 8;", "shr.b32 s, x0, 4;"),
+            "value nibble order": ("shr.b32 s0, x0, 8;", "shr.b32 s0, x0, 4;"),
             "value token pairs swapped": ("0x5410;", "0x1054;"),
             "value high nibbles unscaled": ("0x2C002C00;", "0x3C003C00;"),
         }[fault]

@@ -368,45 +368,40 @@ def _e4m3x4_to_f16(w):
 # which one exact ``fma`` (x / 16 - 64) brings to n. Converted a token at a
 # time (a word's nibbles side by side), the dot's operand took a ``prmt``
 # per register to pair them again: 34 of a tile's 516-821 instructions.
+def _pairs_asm() -> str:
+    """The PTX of ``_u4x8_pairs_to_f16``: per byte pair (x0: bytes 0-1 of
+    both tokens, x1: bytes 2-3; s0, s1 the same shifted by a byte) its low
+    nibbles, then its high ones."""
+    lines = [
+        ".reg .b32 x0, x1, s0, s1, t, m, k, c;",
+        "mov.b32 m, 0x64006400;",  # 1024 in both halves
+        "mov.b32 k, 0x2C002C00;",  # 1 / 16
+        "mov.b32 c, 0xD400D400;",  # -64
+        "prmt.b32 x0, $16, $17, 0x5410;",
+        "prmt.b32 x1, $16, $17, 0x7632;",
+        "shr.b32 s0, x0, 8;",
+        "shr.b32 s1, x1, 8;",
+    ]
+    low = ("0x000F000F", "sub.f16x2 t, t, m;")
+    high = ("0x00F000F0", "fma.rn.f16x2 t, t, k, c;")
+    for i, x in enumerate(("x0", "s0", "x1", "s1")):
+        for j, (mask, to_n) in enumerate((low, high)):
+            o = 4 * i + 2 * j
+            lines += [
+                f"lop3.b32 t, {x}, {mask}, m, 0xEA;",
+                to_n,
+                f"mov.b32 {{${o}, ${o + 1}}}, t;",
+            ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PAIRS_ASM = gl.constexpr(_pairs_asm())
+
+
 @gluon.jit
 def _u4x8_pairs_to_f16(a, b):
     return gl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 x0, x1, s, t, m, k, c;
-        mov.b32 m, 0x64006400;
-        mov.b32 k, 0x2C002C00;
-        mov.b32 c, 0xD400D400;
-        prmt.b32 x0, $16, $17, 0x5410;
-        prmt.b32 x1, $16, $17, 0x7632;
-        lop3.b32 t, x0, 0x000F000F, m, 0xEA;
-        sub.f16x2 t, t, m;
-        mov.b32 {$0, $1}, t;
-        lop3.b32 t, x0, 0x00F000F0, m, 0xEA;
-        fma.rn.f16x2 t, t, k, c;
-        mov.b32 {$2, $3}, t;
-        shr.b32 s, x0, 8;
-        lop3.b32 t, s, 0x000F000F, m, 0xEA;
-        sub.f16x2 t, t, m;
-        mov.b32 {$4, $5}, t;
-        lop3.b32 t, s, 0x00F000F0, m, 0xEA;
-        fma.rn.f16x2 t, t, k, c;
-        mov.b32 {$6, $7}, t;
-        lop3.b32 t, x1, 0x000F000F, m, 0xEA;
-        sub.f16x2 t, t, m;
-        mov.b32 {$8, $9}, t;
-        lop3.b32 t, x1, 0x00F000F0, m, 0xEA;
-        fma.rn.f16x2 t, t, k, c;
-        mov.b32 {$10, $11}, t;
-        shr.b32 s, x1, 8;
-        lop3.b32 t, s, 0x000F000F, m, 0xEA;
-        sub.f16x2 t, t, m;
-        mov.b32 {$12, $13}, t;
-        lop3.b32 t, s, 0x00F000F0, m, 0xEA;
-        fma.rn.f16x2 t, t, k, c;
-        mov.b32 {$14, $15}, t;
-        }
-        """,
+        _PAIRS_ASM,
         "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         [a, b],
         dtype=(gl.float16,) * 16,
