@@ -221,20 +221,22 @@ def paged_layout(batch, context, seed=0):
     return num_blocks, block_table, seq_lens
 
 
-def tq_tables(cfg, head_dim):
-    # The centroids a TurboQuant layer holds (fp16 values), not the solver's.
+def tq_tables(cfg, head_dim, device="cuda"):
+    """The centroids a TurboQuant layer holds (fp16 values, not the solver's),
+    their midpoints, and the backend's own rotation matrix."""
     from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
         fp16_centroids,
     )
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
     centroids, _ = fp16_centroids(head_dim, bits).sort()
     midpoints = (centroids[:-1] + centroids[1:]) / 2
-    h = torch.tensor([[1.0]])
-    while h.shape[0] < head_dim:  # Sylvester Hadamard, as the backend uses
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    pit = (h / math.sqrt(head_dim)).contiguous()
-    return centroids.cuda(), midpoints.cuda(), pit.cuda()
+    # The backend's cached matrix itself, not an equal one: the decode knows
+    # that object (``is_backend_hadamard``) and rotates the query in one
+    # small kernel, as in an engine (``splitkv_call``).
+    pit = _build_hadamard(head_dim, str(torch.device(device)))
+    return centroids.to(device), midpoints.to(device), pit
 
 
 def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
@@ -432,11 +434,18 @@ def sweep_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, po
 
 
 def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **launch):
-    """A no-argument call of the split-KV kernel; ``launch``: its scratch and
-    launch overrides (mid_o_buf, max_num_kv_splits, geometry, num_splits)."""
+    """A no-argument call of the split-KV kernel as the backend makes it
+    (``maybe_decode_attention``: the query rotated in one small kernel where
+    ``pit`` is the backend's Hadamard matrix, as ``tq_tables`` returns);
+    ``launch``: its scratch and launch overrides (mid_o_buf,
+    max_num_kv_splits, geometry, num_splits)."""
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    hadamard = not cfg.key_fp8 and splitkv.is_backend_hadamard(pit)
     return lambda: splitkv_decode(
-        q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale, **launch
-    )
+        q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale,
+        hadamard_query=hadamard, **launch,
+    )  # fmt: skip
 
 
 def stage1_of(run) -> str | None:

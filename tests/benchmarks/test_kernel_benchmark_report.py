@@ -148,3 +148,24 @@ def test_timer_keeps_the_samples_launched_within_their_sleep():
     host = [400.0, 2100.0, 420.0, 390.0, 1010.0]
     assert _bench().launched_in_time(gpu, host, 1000.0) == [100.0, 101.0, 99.0]
     assert _bench().launched_in_time(gpu, host, 3000.0) == gpu
+
+
+def test_mse_presets_are_timed_with_the_backends_query_rotation(monkeypatch):
+    # The backend's decode (maybe_decode_attention) rotates the query in one
+    # small kernel: its matrix is the backend's own Hadamard object. The
+    # benchmark called decode_attention with an equal matrix of its own and
+    # timed 0.20.2's fp32 GEMM and a copy instead, 11-16 us of every MSE
+    # reading at 16 x 8K on an H100.
+    import torch
+
+    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
+    calls = []
+    monkeypatch.setattr(splitkv, "decode_attention", lambda *a, **k: calls.append(k))
+    bench = _bench()
+    for preset, hadamard in (("turboquant_4bit_nc", True), ("turboquant_k8v4", False)):
+        cfg = bench.tq_config(preset, 128)
+        _, _, pit = bench.tq_tables(cfg, 128, device="cpu")
+        query = torch.zeros(1, 4, 128)
+        bench.splitkv_call(query, None, None, None, cfg, None, pit, 1.0)()
+        assert calls.pop()["hadamard_query"] is hadamard, preset
