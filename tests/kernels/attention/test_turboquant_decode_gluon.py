@@ -143,6 +143,51 @@ def program_loads(monkeypatch):
     return order
 
 
+@pytest.fixture
+def load_log(monkeypatch):
+    """Each program's global loads on the NumPy runner, in program order:
+    ``{program id: [(buffer dtype, elements read), ...]}``."""
+    log = {}
+    language = gluon_numpy._language
+
+    def recording(pid):
+        gl = language(pid)
+        load = gl.load
+        entries = log.setdefault(pid, [])
+
+        def logged(ptr, mask=None, other=0):
+            _, m = gluon_numpy._masked(ptr, mask)
+            entries.append((ptr.buf.dtype, int(m.sum())))
+            return load(ptr, mask, other)
+
+        gl.load = logged
+        return gl
+
+    monkeypatch.setattr(gluon_numpy, "_language", recording)
+    return log
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_a_program_reads_its_query_once_beside_its_first_block(
+    triton_interpret, gluon_on_numpy, load_log, head_dim
+):
+    """Three loads wait on each other before a program's first tile: the row's
+    length, the first page's block, that page's words. The query goes out with
+    the block, once: its dot operand's rows 8-15 (the fp16 remainders) come
+    from the same registers as rows 0-7. Read by chunk and by operand row,
+    after the length, an MSE program at head_dim 256 spent 10 of 99 us
+    before its first tile (H100, 16 x 8K)."""
+    group = 6
+    _run(triton_interpret, "turboquant_4bit_nc", head_dim, group, [40], splits=1)
+    assert gluon_on_numpy
+    loads = load_log[(0, 0, 0)]
+    # The rotated query is the only fp32 buffer a program reads.
+    query = [i for i, (dtype, _) in enumerate(loads) if dtype == np.float32]
+    assert [loads[i][1] for i in query] == [group * head_dim], loads
+    # Before it: the row's length and the first page's block, one int32 each.
+    assert loads[: query[0]] == [(np.int32, 1), (np.int32, 1)], loads
+
+
 @pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
 def test_an_empty_split_loads_only_its_row_length(
     triton_interpret, gluon_on_numpy, program_loads, preset

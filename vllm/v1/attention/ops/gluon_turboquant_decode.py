@@ -672,18 +672,24 @@ def _load_field(tb, off, inside, BITS3: gl.constexpr):
 
 
 @gluon.jit
+def _page(bt_row, tile, end, PAGE: gl.constexpr):
+    """The block holding a tile (PAGE % 16 == 0 and tiles start at multiples
+    of 16: one page a tile); block 0 for a tile at or past ``end``."""
+    return gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
+
+
+@gluon.jit
 def _tile_words(
-    KV_ptr, bt_row, tile, end, stride_cb, stride_cp, head_off,
+    KV_ptr, blk, tile, end, stride_cb, stride_cp, head_off,
     offk, kin, offv, vin, ns,
     PAGE: gl.constexpr, KEY_FP8: gl.constexpr, NORM16: gl.constexpr,
     VOFF16: gl.constexpr, VW16: gl.constexpr, WORD32: gl.constexpr,
     MSE3: gl.constexpr, V3: gl.constexpr,
 ):  # fmt: skip
-    """One tile's packed words: keys, values, and per token the value scale
-    and zero (both in ``w0`` when WORD32) and the key norm (``w2``). A tile
-    at or past ``end`` loads nothing."""
-    # PAGE % 16 == 0 and tiles start at multiples of 16: one page a tile.
-    blk = gl.load(bt_row + tile // PAGE, mask=tile < end, other=0).to(gl.int64)
+    """One tile's packed words from its block ``blk`` (``_page``): keys,
+    values, and per token the value scale and zero (both in ``w0`` when
+    WORD32) and the key norm (``w2``). A tile at or past ``end`` loads
+    nothing."""
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
     kw = _load_field(tb, offk, kin, MSE3)
     vw = _load_field(tb, offv, vin, V3)
@@ -761,6 +767,7 @@ def _stage1(
     MSE3: gl.constexpr,  # 3-bit MSE keys, converted to 4-bit words on load
     V3: gl.constexpr,  # 3-bit values, the same
     VW16: gl.constexpr,  # u16 words of a slot's values
+    PAGE_AHEAD: gl.constexpr,  # a tile's block number read a tile ahead
 ):
     # Splits are the grid's slowest axis (see stage1's launch).
     kv_head = gl.program_id(0)
@@ -791,29 +798,46 @@ def _stage1(
             gl.store(mid + split * stride_ms + D, empty, mask=g16 < GROUP)
             return
 
+    # Three loads wait on each other before a tile is computed: the row's
+    # length, its first page's block, that page's words. The query and the
+    # key table wait on nothing and go out beside the block, and the query
+    # is read once: rows 0-7 of its A operand are fp16(q), rows 8-15 the
+    # remainder. Loaded by chunk in the operand's layout, every chunk after
+    # the first waited on the one before it (an MSE program at head_dim 256
+    # spent 10 us of 99 before its first tile, an H100 at 16 x 8K).
+    bt_row = Block_table_ptr + row * stride_btb
+    blk = _page(bt_row, start, end, PAGE)
     # The query in A-operand order, QC dimensions per chunk, kept in shared
     # memory. Slice-local logical k = r0 + 2 t + 8 r1 + 16 j is physical
     # dimension 32 t + r0 + 2 r1 + 4 j: a thread's B elements are contiguous.
     NCH: gl.constexpr = _SLICE // QC
+    QL: gl.constexpr = gl.BlockedLayout(
+        [NCH, 1, 1, QC // 4], [1, 1, 8, 4], [1, W, 1, 1], [3, 2, 1, 0]
+    )
     q_smem = gl.allocate_shared_memory(gl.float16, [NCH, W, 16, QC], Q_SMEM)
-    wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, A_OP)))
-    rq = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, A_OP)))
-    hq = kv_head * GROUP + rq % 8
-    for c in gl.static_range(NCH):
-        kq = c * QC + gl.arange(
-            0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(1, A_OP))
-        )
-        pq = 32 * ((kq >> 1) & 3) + (kq & 1) + 2 * ((kq >> 3) & 1) + 4 * (kq >> 4)
-        q = gl.load(
-            Q_ptr
-            + row * stride_qb
-            + hq[None, :, None] * stride_qh
-            + wq[:, None, None] * _SLICE
-            + pq[None, None, :],
-            mask=(rq % 8 < GROUP)[None, :, None],
-            other=0.0,
-        ).to(gl.float32)
-        q_smem.index(c).store(_split16(q, (rq < 8)[None, :, None]))
+    cq = gl.arange(
+        0, NCH, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, QL)))
+    )
+    wq = gl.arange(
+        0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, QL)))
+    )
+    rq = gl.arange(
+        0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, QL)))
+    )
+    kq = gl.arange(
+        0, QC, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, QL)))
+    )
+    kq = cq[:, None, None, None] * QC + kq[None, None, None, :]
+    pq = 32 * ((kq >> 1) & 3) + (kq & 1) + 2 * ((kq >> 3) & 1) + 4 * (kq >> 4)
+    q = gl.load(
+        Q_ptr
+        + row * stride_qb
+        + (kv_head * GROUP + rq)[None, None, :, None] * stride_qh
+        + wq[None, :, None, None] * _SLICE
+        + pq,
+        mask=(rq < GROUP)[None, None, :, None],
+        other=0.0,
+    ).to(gl.float32)
 
     m_i = gl.full([16], float("-inf"), gl.float32, ROW)
     l_i = gl.full([16], 0.0, gl.float32, ROW)
@@ -829,7 +853,6 @@ def _stage1(
         k_smem = k16._reinterpret(gl.int32, [W, 16, 4, PTW], _SMEM4)
         v_smem = v16._reinterpret(gl.int32, [W, 16, 16], _SMEM3)
 
-    bt_row = Block_table_ptr + row * stride_btb
     head_off = kv_head.to(gl.int64) * stride_ch
     offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, STRIDE_CP, 0)
     offv, vin = _field_offsets(LDV, VW16 // U, W, V3, STRIDE_CP, VOFF16 // U)
@@ -880,10 +903,19 @@ def _stage1(
     # The next tile's words are loaded before this one is computed (a
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
-        KV_ptr, bt_row, start, end, stride_cb, STRIDE_CP, head_off,
+        KV_ptr, blk, start, end, stride_cb, STRIDE_CP, head_off,
         offk, kin, offv, vin, ns,
         PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
     )  # fmt: skip
+    if PAGE_AHEAD:
+        blk = _page(bt_row, start + 16, end, PAGE)
+    q_hi = q.to(gl.float16)
+    q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
+    q16 = gl.permute(gl.join(q_hi, q_lo), [0, 1, 4, 2, 3])
+    # The chunks' buffers as one [NCH * W, 16, QC] (Q_SMEM swizzles within
+    # each [16, QC] matrix).
+    q_all = q_smem._reinterpret(gl.float16, [NCH * W, 16, QC], Q_SMEM)
+    q_all.store(gl.reshape(q16, [NCH * W, 16, QC]))
     for tile in range(start, end, 16):
         live = (tile + ns) < end
         if WORD32:
@@ -912,11 +944,15 @@ def _stage1(
             else:
                 v16.store(gl.permute(gl.reshape(vw, [16, W, 32]), [1, 0, 2]))
         gl.thread_barrier()
+        if not PAGE_AHEAD:
+            blk = _page(bt_row, tile + 16, end, PAGE)
         kw, vw, w0, w1, w2 = _tile_words(
-            KV_ptr, bt_row, tile + 16, end, stride_cb, STRIDE_CP, head_off,
+            KV_ptr, blk, tile + 16, end, stride_cb, STRIDE_CP, head_off,
             offk, kin, offv, vin, ns,
             PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
         )  # fmt: skip
+        if PAGE_AHEAD:
+            blk = _page(bt_row, tile + 32, end, PAGE)
 
         # ---- scores: each warp over its slice, QC dimensions per chunk ----
         raw = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
@@ -1079,6 +1115,14 @@ def _constexprs(
             GRAM=correct and not tails,
             NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
             VOFF16=key_packed_size // 2,
+            # 3-bit values: the next tile's block number is read a tile
+            # ahead. Read beside the words, ptxas put turboquant_3bit_nc's
+            # word loads after the softmax (~170 instructions later) once
+            # the query was read in one piece, and head_dim 128 ran 1-6 %
+            # slower than release 23; a tile ahead, 2-8 % faster except at
+            # 64 x 32K (+2.5 %). The other presets ran up to 3.5 % slower
+            # that way (H100; benchmarks/NOTES.md, "Release 24").
+            PAGE_AHEAD=value_bits == 3,
             **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
         )
     )
