@@ -622,9 +622,16 @@ def _mse_squares(sel, p00, p01, p10, p11, p20, p21):
 
 
 @gluon.jit
-def _split16(x, rows_lo):
+def _f16_parts(x):
+    """fp32 ``x`` as an fp16 head and the fp16 remainder (22 significant bits
+    together): a dot operand's rows 0-7 and 8-15."""
     hi = x.to(gl.float16)
-    lo = (x - hi.to(gl.float32)).to(gl.float16)
+    return hi, (x - hi.to(gl.float32)).to(gl.float16)
+
+
+@gluon.jit
+def _split16(x, rows_lo):
+    hi, lo = _f16_parts(x)
     return gl.where(rows_lo, hi, lo)
 
 
@@ -909,8 +916,7 @@ def _stage1(
     )  # fmt: skip
     if PAGE_AHEAD:
         blk = _page(bt_row, start + 16, end, PAGE)
-    q_hi = q.to(gl.float16)
-    q_lo = (q - q_hi.to(gl.float32)).to(gl.float16)
+    q_hi, q_lo = _f16_parts(q)
     q16 = gl.permute(gl.join(q_hi, q_lo), [0, 1, 4, 2, 3])
     # The chunks' buffers as one [NCH * W, 16, QC] (Q_SMEM swizzles within
     # each [16, QC] matrix).
