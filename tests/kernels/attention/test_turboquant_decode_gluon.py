@@ -120,33 +120,10 @@ def test_gluon_stage1_serves_padded_pages_and_verify_rows(
 
 
 @pytest.fixture
-def program_loads(monkeypatch):
-    """Each program's global loads on the NumPy runner, in the order the
-    programs ran (a GPU's dispatch order): ``[[program id, loads], ...]``."""
-    order = []
-    language = gluon_numpy._language
-
-    def recording(pid):
-        gl = language(pid)
-        load = gl.load
-        entry = [pid, 0]
-        order.append(entry)
-
-        def counted(*args, **kwargs):
-            entry[1] += 1
-            return load(*args, **kwargs)
-
-        gl.load = counted
-        return gl
-
-    monkeypatch.setattr(gluon_numpy, "_language", recording)
-    return order
-
-
-@pytest.fixture
 def load_log(monkeypatch):
     """Each program's global loads on the NumPy runner, in program order:
-    ``{program id: [(buffer dtype, elements read), ...]}``."""
+    ``{program id: [(buffer dtype, elements read), ...]}``, the programs in
+    the order they ran (a GPU's dispatch order)."""
     log = {}
     language = gluon_numpy._language
 
@@ -190,7 +167,7 @@ def test_a_program_reads_its_query_once_beside_its_first_block(
 
 @pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
 def test_an_empty_split_loads_only_its_row_length(
-    triton_interpret, gluon_on_numpy, program_loads, preset
+    triton_interpret, gluon_on_numpy, load_log, preset
 ):
     """A split past the end of a short row stores the lse = -inf the merge
     skips and stops: no query, table or first-tile loads. Those made 7,200
@@ -200,14 +177,14 @@ def test_an_empty_split_loads_only_its_row_length(
     # 16 tokens per split at least: row 0 fills splits 0-1 of 4, row 1 0-2.
     # Program ids are (KV head, row, split).
     _run(triton_interpret, preset, 128, 4, [19, 45], num_kv_heads=1, splits=4)
-    loads = dict(program_loads)
+    loads = {pid: len(entries) for pid, entries in load_log.items()}
     assert len(loads) == 8
     empty = {pid for pid, n in loads.items() if n == 1}
     assert empty == {(0, 0, 2), (0, 0, 3), (0, 1, 3)}, loads
 
 
 def test_a_batch_of_short_rows_sends_its_live_splits_first(
-    triton_interpret, gluon_on_numpy, program_loads
+    triton_interpret, gluon_on_numpy, load_log
 ):
     """A GPU hands blocks out x first. With the splits last in the grid,
     every row's first split goes out before any second one, so in a batch of
@@ -220,9 +197,9 @@ def test_a_batch_of_short_rows_sends_its_live_splits_first(
     )
     assert gluon_on_numpy == [(2, 3, 8)]
     # An empty split loads its length only.
-    live = [loads > 1 for _, loads in program_loads]
+    live = [len(entries) > 1 for entries in load_log.values()]
     assert sum(live) == 2 * 3 * 3
-    assert live == sorted(live, reverse=True), [pid for pid, _ in program_loads]
+    assert live == sorted(live, reverse=True), list(load_log)
 
 
 def test_a_small_batch_splits_into_the_spare_scratch_rows(
