@@ -15,10 +15,13 @@ natively against the same reference and the Triton stage 1, and
 replay) take it wherever it serves.
 """
 
+import functools
 import importlib
+import inspect
 import logging
 import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -469,10 +472,14 @@ def test_each_cache_compiles_with_its_own_token_stride(
     words (red)."""
     if fault:
         real, first = gluon_decode._constexprs, []
+        signature = inspect.signature(real)
 
-        def stale(*args):
-            first.append(args[-1])
-            return real(*args[:-1], first[0])
+        def stale(*args, **kwargs):
+            # By name: the stride is not the last argument of every release.
+            bound = signature.bind(*args, **kwargs)
+            first.append(bound.arguments["stride_cp"])
+            bound.arguments["stride_cp"] = first[0]
+            return real(*bound.args, **bound.kwargs)
 
         monkeypatch.setattr(gluon_decode, "_constexprs", stale)
     _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45], num_kv_heads=1)
@@ -781,6 +788,118 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
     # No dequantized value crosses threads: the only shared-memory traffic
     # is the packed words, the query chunks and the cross-warp score sum.
     assert kernel.metadata.shared <= 64 * 1024
+
+
+@pytest.mark.parametrize(("arch", "pdl"), [(90, True), (89, False)])
+def test_stage1_waits_for_the_kernel_ahead_before_any_load(arch, pdl):
+    """Launched programmatically (sm_90+), stage 1 starts while the kernel
+    before it runs: every load and store must follow ``griddepcontrol.wait``,
+    or it reads a query the rotation has not written. sm_89 has no such
+    instruction and is launched in order."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled in the session without the Triton interpreter")
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
+    kernel = gluon_decode.static_compile(
+        128, 4, False, cfg.key_mse_bits, cfg.key_packed_size,
+        cfg.norm_correction, cfg.slot_size_aligned, arch=arch,
+    )  # fmt: skip
+    ptx = kernel.asm["ptx"].splitlines()
+    memory = [i for i, line in enumerate(ptx) if re.search(r"\b(ld|st)\.global", line)]
+    waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    lets = [
+        i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line
+    ]
+    if not pdl:
+        assert not waits and not lets
+        return
+    assert len(waits) == 1 and waits[0] < memory[0], (
+        f"first global access at PTX line {memory[0]}, the wait at {waits}"
+    )
+    assert len(lets) == 1, "stage 1 does not let the merge's launch begin"
+
+
+class _Launches:
+    """Stands in for a kernel: ``kernel[grid](...)`` records the launch's
+    keyword arguments and runs nothing."""
+
+    def __init__(self):
+        self.kwargs: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "sm89"])
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_a_kernel_launched_before_the_one_ahead_ends_waits_for_it(
+    monkeypatch, sm90, gluon
+):
+    """From sm_90 the Gluon stage 1 and the merge are launched
+    programmatically: each is placed while the kernel before it drains.
+    Only kernels that wait for it (``PDL``) may be launched so; the Triton
+    stage 1 does not wait, so it is launched in order, and the query
+    rotation's kernel as well."""
+    from vllm.v1.attention.ops import triton_turboquant_rotate_query as rotation_mod
+
+    rotation, stage1, merge = _Launches(), _Launches(), _Launches()
+    monkeypatch.setattr(splitkv, "programmatic_launch", lambda device: sm90)
+    monkeypatch.setattr(rotation_mod, "_tq_rotate_query", rotation)
+    monkeypatch.setattr(gluon_decode, "_stage1", stage1)
+    monkeypatch.setattr(splitkv, "_tq_decode_split_stage1", stage1)
+    monkeypatch.setattr(splitkv, "_tq_decode_split_merge", merge)
+    monkeypatch.setattr(
+        splitkv, "_gluon_for", lambda d: gluon_decode if gluon else None
+    )
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    cfg, centroids, pit, cache, table = splitkv_tests._case(
+        "turboquant_4bit_nc", 128, [40, 40], 2, "cpu"
+    )
+    _call(
+        torch.randn(2, 8, 128), cache, table,
+        torch.tensor([40, 40], dtype=torch.int32), cfg, centroids, pit,
+        num_splits=3, hadamard_query=True,
+    )  # fmt: skip
+    assert len(rotation.kwargs) == len(stage1.kwargs) == len(merge.kwargs) == 1
+    assert not rotation.kwargs[0].get("launch_pdl", False)
+    assert merge.kwargs[0]["PDL"] is sm90
+    assert merge.kwargs[0].get("launch_pdl", False) is sm90
+    if gluon:
+        assert stage1.kwargs[0]["PDL"] is sm90
+        assert stage1.kwargs[0]["launch_pdl"] is sm90
+    else:
+        assert not stage1.kwargs[0].get("launch_pdl", False)
+
+
+@pytest.mark.parametrize(
+    ("platform", "capability", "gluon", "pdl"),
+    [
+        ("cuda", (9, 0), True, True),  # H100
+        ("cuda", (8, 9), True, False),  # L4, RTX 4090
+        ("cuda", (8, 6), False, False),  # A10, RTX 3090
+        ("rocm", (9, 4), False, False),  # MI300X (gfx942)
+        ("rocm", (9, 0), False, False),  # MI250 (gfx90a)
+    ],
+)
+def test_nvidia_only_paths_are_chosen_on_nvidia_gpus_only(
+    monkeypatch, platform, capability, gluon, pdl
+):
+    """ROCm reports its GPUs as "cuda" devices with capabilities such as 9.0
+    and 9.4, and 0.20.2 lists TurboQuant among ROCm's backends. The Gluon
+    stage 1 (PTX inline assembly, mma_v2) and programmatic launches
+    (``griddepcontrol``) exist on NVIDIA GPUs only: chosen on ROCm, the first
+    decode fails to compile."""
+    monkeypatch.setattr(
+        splitkv, "current_platform", SimpleNamespace(is_cuda=lambda: platform == "cuda")
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+    # Fresh caches, put back afterwards: the stand-in GPU must not outlive the test.
+    monkeypatch.setattr(
+        splitkv, "_capability", functools.cache(splitkv._capability.__wrapped__)
+    )
+    monkeypatch.setattr(splitkv, "_gluon_modules", {})
+    device = torch.device("cuda", 0)
+    assert (splitkv._gluon_module(device, enabled=True) is not None) is gluon
+    assert splitkv.programmatic_launch(device) is pdl
 
 
 @pytest.mark.gpu

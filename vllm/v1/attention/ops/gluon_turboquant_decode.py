@@ -679,6 +679,25 @@ def _load_field(tb, off, inside, BITS3: gl.constexpr):
 
 
 @gluon.jit
+def _launch_dependents():
+    """Let the next kernel's launch begin (programmatic dependent launch)."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _wait_for_prerequisites():
+    """Block until the kernel launched before this one has finished and its
+    writes are visible (programmatic dependent launch)."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _page(bt_row, tile, end, PAGE: gl.constexpr):
     """The block holding a tile (PAGE % 16 == 0 and tiles start at multiples
     of 16: one page a tile); block 0 for a tile at or past ``end``."""
@@ -775,7 +794,14 @@ def _stage1(
     V3: gl.constexpr,  # 3-bit values, the same
     VW16: gl.constexpr,  # u16 words of a slot's values
     PAGE_AHEAD: gl.constexpr,  # a tile's block number read a tile ahead
+    PDL: gl.constexpr,  # launched programmatically, before the kernel ahead ends
 ):
+    if PDL:
+        # Launched programmatically (programmatic_launch): this grid is
+        # placed while the kernel before it drains, and the merge's grid
+        # while this one runs. Nothing is read or written before the wait.
+        _launch_dependents()
+        _wait_for_prerequisites()
     # Splits are the grid's slowest axis (see stage1's launch).
     kv_head = gl.program_id(0)
     row = gl.program_id(1)
@@ -1104,6 +1130,7 @@ def _constexprs(
     value_bits: int,
     tails: bool,
     stride_cp: int,
+    pdl: bool,
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
@@ -1129,6 +1156,7 @@ def _constexprs(
             # 64 x 32K (+2.5 %). The other presets ran up to 3.5 % slower
             # that way (H100; benchmarks/NOTES.md, "Release 24").
             PAGE_AHEAD=value_bits == 3,
+            PDL=pdl,
             **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
         )
     )
@@ -1164,6 +1192,7 @@ def stage1(
     launch in tests that execute the kernel's body elsewhere)."""
     # The caller's module; imported here because it imports this one.
     from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
+        programmatic_launch,
         stage1_strides,
         words_aligned,
     )
@@ -1200,6 +1229,7 @@ def stage1(
         value_bits,
         key_tails,
         kv_cache.stride(1) // unit,
+        programmatic_launch(q_in.device),
     )
     # A GPU hands out blocks x first, so with the splits last every (KV head,
     # row)'s first split goes out before any second one. In a batch of short
@@ -1211,7 +1241,13 @@ def stage1(
     if runner is not None:
         runner(_stage1, grid, args, constexprs)
         return
-    _stage1[grid](*args, **constexprs, num_warps=constexprs["W"], maxnreg=MAX_REGISTERS)
+    _stage1[grid](
+        *args,
+        **constexprs,
+        num_warps=constexprs["W"],
+        maxnreg=MAX_REGISTERS,
+        launch_pdl=constexprs["PDL"],
+    )
 
 
 def static_compile(
@@ -1230,7 +1266,8 @@ def static_compile(
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
     reports): bf16 queries and outputs, pages of 16 tokens ``token_bytes``
     apart (a cache's stride(1): KV heads x slot; a constant of the compiled
-    kernel, and ptxas allocates registers differently per value), split."""
+    kernel, and ptxas allocates registers differently per value), split,
+    launched programmatically from sm_90 as ``stage1`` launches it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1240,6 +1277,7 @@ def static_compile(
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
         word32, True, 256, value_bits, key_tails, token_bytes // _unit_bytes(word32),
+        arch >= 90,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",
