@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # hybridkv's tests, from a fresh CPU-only machine: runs scripts/setup.sh (the main job),
 # then lint, our tests, vLLM 0.20.2's own tests for the code the series touches (against
-# the installed wheel) and, beside them, each patch's tests at its place in the series. GPU tests (-m gpu) are skipped here; they run
-# on the GPU host through scripts/gpu-suite.sh.
+# the installed wheel) and, beside them, our Triton kernel tests under the CPU interpreter
+# and each patch's tests at its place in the series. GPU tests (-m gpu) are skipped here;
+# they run on the GPU host through scripts/gpu-suite.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HYBRIDKV_VENV:-.venv}
@@ -24,6 +25,14 @@ prefix_log=$(mktemp)
 "$VENV/bin/hybridkv" prefix-test --skip-full >"$prefix_log" 2>&1 &  # the last patch's place is the wheel tested below
 prefix_pid=$!
 
+# The Triton kernels under the CPU interpreter share nothing with the steps below either
+# (their own process: the interpreter must be chosen before Triton and vLLM load), so
+# they run beside them too. In line, they put this script at 15.3 minutes on a 2-core
+# box where its CI limit is 15. Reported after them.
+kernels_log=$(mktemp)
+HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider >"$kernels_log" 2>&1 &
+kernels_pid=$!
+
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
 "$VENV/bin/hybridkv" lint
 
@@ -32,10 +41,6 @@ HYBRIDKV_SKIP_RESOLVE=1 "$py" -m pytest tests -q -p no:cacheprovider "$@"
 
 printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh)\n'
 HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
-
-printf '\n== Triton kernels under the CPU interpreter (tests/kernels)\n'
-# Its own process: the interpreter must be chosen before Triton and vLLM load.
-HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
 
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
@@ -46,6 +51,13 @@ mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .
 mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.txt" | grep .)
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
+
+printf '\n== Triton kernels under the CPU interpreter (tests/kernels, ran beside the steps above)\n'
+if ! wait "$kernels_pid"; then
+  cat "$kernels_log"
+  exit 1
+fi
+tail -n 1 "$kernels_log"
 
 printf '\n== each patch at its place: patches 1..N on pristine vLLM, patch N'"'"'s tests (ran beside the steps above)\n'
 if ! wait "$prefix_pid"; then
