@@ -56,6 +56,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.logger import init_logger
 
@@ -679,25 +680,6 @@ def _load_field(tb, off, inside, BITS3: gl.constexpr):
 
 
 @gluon.jit
-def _launch_dependents():
-    """Let the next kernel's launch begin (programmatic dependent launch)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _wait_for_prerequisites():
-    """Block until the kernel launched before this one has finished and its
-    writes are visible (programmatic dependent launch)."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _page(bt_row, tile, end, PAGE: gl.constexpr):
     """The block holding a tile (PAGE % 16 == 0 and tiles start at multiples
     of 16: one page a tile); block 0 for a tile at or past ``end``."""
@@ -800,8 +782,8 @@ def _stage1(
         # Launched programmatically (programmatic_launch): this grid is
         # placed while the kernel before it drains, and the merge's grid
         # while this one runs. Nothing is read or written before the wait.
-        _launch_dependents()
-        _wait_for_prerequisites()
+        gdc_launch_dependents()
+        gdc_wait()
     # Splits are the grid's slowest axis (see stage1's launch).
     kv_head = gl.program_id(0)
     row = gl.program_id(1)
