@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # hybridkv's tests, from a fresh CPU-only machine: runs scripts/setup.sh (the main job),
-# then lint, our tests, vLLM 0.20.2's own tests for the code the series touches (against
-# the installed wheel) and, beside them, our Triton kernel tests under the CPU interpreter
-# and each patch's tests at its place in the series. GPU tests (-m gpu) are skipped here;
-# they run on the GPU host through scripts/gpu-suite.sh.
+# then lint, our tests and vLLM 0.20.2's own tests for the code the series touches
+# (against the installed wheel) and, beside them, our Triton kernel tests under the CPU
+# interpreter, the model configs under other transformers releases, each patch's tests at
+# its place in the series and a fresh install's resolve. GPU tests (-m gpu) are skipped
+# here; they run on the GPU host through scripts/gpu-suite.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HYBRIDKV_VENV:-.venv}
@@ -11,36 +12,44 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from another folder
 
-# The fresh-install resolve (pip --dry-run against PyPI) waits on the network, not the
-# CPU: it runs beside the steps below and is reported at the end.
-resolve_log=$(mktemp)
-"$py" -m pytest -q -p no:cacheprovider --basetemp="$(mktemp -d)" tests/hybridkv/test_wheel_requires.py \
-  -k test_fresh_install_resolves_a_set_that_runs_gemma4 >"$resolve_log" 2>&1 &
-resolve_pid=$!
+# Steps that share nothing with the ones in line but read-only files run beside them:
+# CI has two cores, every step is one process, and some mostly wait on PyPI. In line,
+# they put this script past its 15 minutes on a 2-core box. `beside NAME CMD...` starts
+# one; `report NAME TITLE LINES` waits for it and prints its last LINES lines (0: all),
+# or all of it and stops the script if it failed.
+declare -A step_pid step_log
+beside() {
+  local name=$1
+  shift
+  step_log[$name]=$(mktemp)
+  "$@" >"${step_log[$name]}" 2>&1 &
+  step_pid[$name]=$!
+}
+report() {
+  printf '\n== %s (ran beside the steps above)\n' "$2"
+  if ! wait "${step_pid[$1]}"; then
+    cat "${step_log[$1]}"
+    exit 1
+  fi
+  if [ "$3" -eq 0 ]; then cat "${step_log[$1]}"; else tail -n "$3" "${step_log[$1]}"; fi
+}
 
-# Each patch at its place runs beside the steps below: CI has two cores and every step is
-# one pytest process, and the prefix trees share nothing with them but read-only files
-# (link farms of the pristine wheel, PYTHONPATH-only). Reported after them.
-prefix_log=$(mktemp)
-"$VENV/bin/hybridkv" prefix-test --skip-full >"$prefix_log" 2>&1 &  # the last patch's place is the wheel tested below
-prefix_pid=$!
-
-# The Triton kernels under the CPU interpreter share nothing with the steps below either
-# (their own process: the interpreter must be chosen before Triton and vLLM load), so
-# they run beside them too. In line, they put this script at 15.3 minutes on a 2-core
-# box where its CI limit is 15. Reported after them.
-kernels_log=$(mktemp)
-HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider >"$kernels_log" 2>&1 &
-kernels_pid=$!
+# The fresh-install resolve (pip --dry-run against PyPI) waits on the network.
+beside resolve "$py" -m pytest -q -p no:cacheprovider --basetemp="$(mktemp -d)" \
+  tests/hybridkv/test_wheel_requires.py -k test_fresh_install_resolves_a_set_that_runs_gemma4
+# Each patch at its place: link farms of the pristine wheel, PYTHONPATH-only; the last
+# patch's place is the wheel tested below.
+beside prefix "$VENV/bin/hybridkv" prefix-test --skip-full
+# Its own process: the interpreter must be chosen before Triton and vLLM load.
+beside kernels env HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
+# Overlays of other transformers releases under .hybridkv/transformers/, from PyPI.
+beside transformers env HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
 
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
 "$VENV/bin/hybridkv" lint
 
 printf '\n== hybridkv tests (tests/)\n'
 HYBRIDKV_SKIP_RESOLVE=1 "$py" -m pytest tests -q -p no:cacheprovider "$@"
-
-printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh)\n'
-HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
 
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
@@ -52,23 +61,7 @@ mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.tx
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
 
-printf '\n== Triton kernels under the CPU interpreter (tests/kernels, ran beside the steps above)\n'
-if ! wait "$kernels_pid"; then
-  cat "$kernels_log"
-  exit 1
-fi
-tail -n 1 "$kernels_log"
-
-printf '\n== each patch at its place: patches 1..N on pristine vLLM, patch N'"'"'s tests (ran beside the steps above)\n'
-if ! wait "$prefix_pid"; then
-  cat "$prefix_log"
-  exit 1
-fi
-cat "$prefix_log"
-
-printf '\n== fresh pip install of the wheel resolves a set that runs Gemma 4 (PyPI, ran beside the steps above)\n'
-if ! wait "$resolve_pid"; then
-  cat "$resolve_log"
-  exit 1
-fi
-tail -n 3 "$resolve_log"
+report transformers "model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh)" 0
+report kernels "Triton kernels under the CPU interpreter (tests/kernels)" 1
+report prefix "each patch at its place: patches 1..N on pristine vLLM, patch N's tests" 0
+report resolve "fresh pip install of the wheel resolves a set that runs Gemma 4 (PyPI)" 3
