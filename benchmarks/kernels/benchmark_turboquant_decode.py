@@ -43,16 +43,19 @@ from pathlib import Path
 
 import torch
 
-# The float64 decoding of packed slots and the kernel's call are the kernel
-# test's (one of each for both), imported from this checkout: run as a file,
-# only the script's own folder is on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.kernels.attention.test_turboquant_decode_splitkv import (  # noqa: E402
-    _call as splitkv_decode,
-)
-from tests.kernels.attention.test_turboquant_decode_splitkv import (  # noqa: E402
-    _dequant as dequant_float64,
-)
+
+@functools.cache
+def kernel_test():
+    """The kernel test module, whose float64 decoding of packed slots
+    (``_dequant``) and kernel call (``_call``) this benchmark uses too, from
+    this checkout: run as a file, only the script's own folder is on
+    sys.path. Loaded after the arguments are read: it imports vLLM, ~10 s
+    that a mistyped flag should not wait for."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.kernels.attention import test_turboquant_decode_splitkv
+
+    return test_turboquant_decode_splitkv
+
 
 PRESETS = [
     "turboquant_k8v4",
@@ -280,7 +283,7 @@ def reference_error(out, q, cache, block_table, seq_lens, cfg, centroids, pit, r
         n = int(seq_lens[row])
         pos = torch.arange(n, device=cache.device)
         slots = cache[block_table[row, pos // PAGE].long(), pos % PAGE].cpu()
-        k, v = dequant_float64(slots, cfg, centroids, D)  # [n, Hk, D]
+        k, v = kernel_test()._dequant(slots, cfg, centroids, D)  # [n, Hk, D]
         qr = q[row].double().cpu()
         if not cfg.key_fp8:
             qr = qr @ pit.double().cpu()
@@ -442,7 +445,8 @@ def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     hadamard = not cfg.key_fp8 and splitkv.is_backend_hadamard(pit)
-    return lambda: splitkv_decode(
+    call = kernel_test()._call
+    return lambda: call(
         q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale,
         hadamard_query=hadamard, **launch,
     )  # fmt: skip
@@ -1045,6 +1049,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
+    kernel_test()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton

@@ -989,9 +989,14 @@ def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
     )
     splits = []
     real = gluon_decode.stage1
-    monkeypatch.setattr(
-        gluon_decode, "stage1", lambda *a, **k: splits.append(a[8]) or real(*a, **k)
-    )
+    signature = inspect.signature(real)
+
+    def counted(*args, **kwargs):
+        # By name, whether the caller passes it by position or by keyword.
+        splits.append(signature.bind(*args, **kwargs).arguments["num_splits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_decode, "stage1", counted)
     out = _call(
         query,
         cache,
