@@ -7,7 +7,7 @@
     hybridkv export PATCH [--out DIR]
     hybridkv dev [DIR] / hybridkv refresh [DIR]
     hybridkv report                 what the installed vLLM is, and which patches it carries
-    hybridkv prefix-test [PATCH...] [-- PYTEST-ARGS]   each patch's tests with patches 1..N only
+    hybridkv prefix-test [PATCH...] [--jobs N] [-- PYTEST-ARGS]   each patch's tests with patches 1..N only
     hybridkv lint                   ruff (vLLM 0.20.2's config) over overlay, tests, added lines
 """
 
@@ -109,11 +109,24 @@ def cmd_refresh(args) -> int:
     return 0 if _static_ok() else 1
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of at least 1, found {text!r} (e.g. 2)")
+    return value
+
+
 def cmd_prefix_test(args) -> int:
     from hybridkv.prefix import run
 
     _ensure_pristine()
-    return run(load_series(), args.patches, args.pytest_args, skip_full=args.skip_full)
+    return run(load_series(), args.patches, args.pytest_args, skip_full=args.skip_full,
+               jobs=args.jobs)
 
 
 def cmd_lint(args) -> int:
@@ -176,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("patches", nargs="*", help="only these patches (name, file or number)")
     p.add_argument("--skip-full", action="store_true",
                    help="leave out the last patch (its place is the whole series)")
+    p.add_argument("--jobs", type=_positive, default=1, metavar="N",
+                   help="patches run at once (each in its own process; output held "
+                   "and printed in series order); default 1")
     p.set_defaults(func=cmd_prefix_test, pytest_args=[])
     sub.add_parser("lint", help="ruff check + format, vLLM 0.20.2's config").set_defaults(
         func=cmd_lint)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hybridkv.base import REPO, pristine_wheel_dir
@@ -51,7 +52,9 @@ def prefix_tree(series: Series, n: int, dest: Path) -> Path:
     return dest
 
 
-def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, log) -> int:
+def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, out) -> int:
+    """Run ``tests`` against ``tree``; its output goes to ``out`` (None: this
+    process's stdout and stderr)."""
     env = dict(os.environ)
     # The prefix tree first: it shadows the installed vllm; the repo after it
     # for tests.models and hybridkv.
@@ -63,40 +66,75 @@ def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, log
         env["HYBRIDKV_TRITON_INTERPRET"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "hybridkv.testing.pytest_plugin", *tests, *extra]
-    log(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
-        flush=True)
-    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+    print(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
+          file=out or sys.stdout, flush=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, stdout=out,
+                          stderr=None if out is None else subprocess.STDOUT).returncode
+
+
+def _at_its_place(series: Series, n: int, tests: list[str], extra: list[str],
+                  out) -> int:
+    """Patch ``n``'s ``tests`` on pristine vLLM with patches 1..n; its return code."""
+    with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:
+        tree = prefix_tree(series, n, Path(tmp))
+        plain = [t for t in tests if not t.startswith(INTERPRETED)]
+        kernels = [t for t in tests if t.startswith(INTERPRETED)]
+        rc = 0
+        for group, interpret in ((plain, False), (kernels, True)):
+            if group:
+                rc |= _pytest(tree, group, extra, interpret, out)
+    return rc
 
 
 def run(series: Series, only: list[str], extra: list[str], skip_full: bool = False,
-        log=print) -> int:
+        log=print, jobs: int = 1) -> int:
     """Run each selected patch's tests at its place; 0 if all pass.
 
     ``skip_full`` leaves out the last patch, whose place is the whole series
-    (CI tests that already, against the installed wheel).
+    (CI tests that already, against the installed wheel). With ``jobs`` > 1
+    that many patches run at once (each in its own tree and process); each
+    one's output is held and printed in series order.
     """
-    failed = []
+    selected = []
     for n, patch in enumerate(series.patches, 1):
         if only and not any(k in patch.name for k in only):
             continue
         if skip_full and n == len(series.patches):
-            log(f"\n== {patch.name}: the whole series; its tests ran against the wheel")
+            selected.append((n, patch, None))
             continue
         tests = [t for t in patch.listed("Tests") if Path(t).name.startswith("test_")]
-        log(f"\n== {patch.name}: patches 1..{n} on pristine vLLM, its {len(tests)} test files",
-            flush=True)
-        if not tests:
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:
-            tree = prefix_tree(series, n, Path(tmp))
-            plain = [t for t in tests if not t.startswith(INTERPRETED)]
-            kernels = [t for t in tests if t.startswith(INTERPRETED)]
-            rc = 0
-            for group, interpret in ((plain, False), (kernels, True)):
-                if group:
-                    rc |= _pytest(tree, group, extra, interpret, log)
-        if rc:
-            failed.append(patch.name)
+        selected.append((n, patch, tests))
+
+    def heading(n, patch, tests):
+        if tests is None:
+            return f"\n== {patch.name}: the whole series; its tests ran against the wheel"
+        return (f"\n== {patch.name}: patches 1..{n} on pristine vLLM, "
+                f"its {len(tests)} test files")
+
+    def held(n, tests):
+        with tempfile.TemporaryFile("w+") as out:
+            rc = _at_its_place(series, n, tests, extra, out)
+            out.seek(0)
+            return rc, out.read()
+
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = {
+            n: pool.submit(held, n, tests)
+            for n, _, tests in selected
+            if tests and jobs > 1
+        }
+        for n, patch, tests in selected:
+            log(heading(n, patch, tests), flush=True)
+            if not tests:
+                continue
+            if n in pending:
+                rc, text = pending[n].result()
+                log(text, end="", flush=True)
+            else:
+                rc = _at_its_place(series, n, tests, extra, None)
+            if rc:
+                failed.append(patch.name)
     if failed:
         log(f"\nFAILED at their place in the series: {', '.join(failed)}")
         return 1

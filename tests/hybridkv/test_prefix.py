@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """`hybridkv prefix-test`: each patch's tests at its own place in the series."""
 
+import threading
+import time
+
+from hybridkv import prefix
 from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.prefix import prefix_tree
 
@@ -21,3 +25,38 @@ def test_prefix_tree_holds_exactly_the_first_n_patches(tmp_path, pristine_root, 
         pristine_root / "vllm" / "__init__.py"
     ).resolve()
     assert next(tree.glob("vllm-*.dist-info")).is_dir()
+
+
+def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeypatch):
+    """With --jobs 2 two patches' tests run at a time; each one's output is
+    held and printed under its own heading, in series order, and a red patch
+    is named whatever order the runs end in."""
+    running, most, lock = [0], [0], threading.Lock()
+
+    def at_its_place(series_, n, tests, extra, out):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.1 * (4 - n))  # the later patches end first
+        print(f"tests of patch {n}", file=out, flush=True)
+        with lock:
+            running[0] -= 1
+        return 1 if n == 2 else 0
+
+    monkeypatch.setattr(prefix, "_at_its_place", at_its_place)
+    printed = []
+    rc = prefix.run(
+        series,
+        ["0001", "0002", "0003"],
+        [],
+        log=lambda *a, end="\n", **k: printed.append(" ".join(a) + end),
+        jobs=2,
+    )
+    text = "".join(printed)
+    names = [p.name for p in series.patches[:3]]
+    order = [text.index(f"== {names[0]}"), text.index("tests of patch 1")]
+    order += [text.index(f"== {names[1]}"), text.index("tests of patch 2")]
+    order += [text.index(f"== {names[2]}"), text.index("tests of patch 3")]
+    assert order == sorted(order), text
+    assert rc == 1 and f"FAILED at their place in the series: {names[1]}\n" in text
+    assert most[0] == 2
