@@ -886,9 +886,9 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help=f"subset: {QUICK}")
-    ap.add_argument("--models", nargs="*", choices=list(MODELS))
-    ap.add_argument("--kv", nargs="*", choices=KV_DTYPES)
-    ap.add_argument("--scenarios", nargs="*", choices=list(SCENARIOS))
+    ap.add_argument("--models", nargs="+", choices=list(MODELS))
+    ap.add_argument("--kv", nargs="+", choices=KV_DTYPES)
+    ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS))
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument(

@@ -1030,7 +1030,7 @@ def main():
         action="store_true",
         help="4 cases, all presets, small sweep (< 4 min on an H100)",
     )
-    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
+    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     ap.add_argument(
         "--sweep",
         action="store_true",

@@ -291,7 +291,7 @@ def markdown(meta, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes x 64/8192 tokens")
-    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
+    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()

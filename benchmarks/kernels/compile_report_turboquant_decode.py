@@ -269,13 +269,13 @@ def geometry_arg(text: str) -> tuple[int, ...]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
+    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     ap.add_argument(
-        "--head-dims", nargs="*", type=int, default=[128, 256, 512], choices=sorted(GQA)
+        "--head-dims", nargs="+", type=int, default=[128, 256, 512], choices=sorted(GQA)
     )
     ap.add_argument(
         "--geometries",
-        nargs="*",
+        nargs="+",
         type=geometry_arg,
         default=None,
         help="BLOCK_N,warps[,key_chunk[,maxnreg]] ... (default: the kernel's own)",

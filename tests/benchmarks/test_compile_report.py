@@ -156,3 +156,16 @@ def test_gluon_report_compiles_its_cases_token_stride(monkeypatch):
             "turboquant_3bit_nc", head_dim
         ).slot_size_aligned
         assert strides[-1] == slot * kv_heads
+
+
+@pytest.mark.parametrize("flag", ["--presets", "--head-dims", "--geometries"])
+def test_compile_report_refuses_an_empty_list(flag):
+    # Not a report of no cases, exit 0.
+    out = subprocess.run(
+        [sys.executable, str(REPORT), flag],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"{flag}: expected at least one argument" in out.stderr

@@ -133,6 +133,8 @@ def test_an_unknown_preset_is_named_before_anything_runs():
     [
         (["--iters", "0"], "--iters 0: expected at least 1"),
         (["--presets", "turboquant_5bit"], "invalid choice: 'turboquant_5bit'"),
+        # Not an empty run: a table of no presets.
+        (["--presets"], "--presets: expected at least one argument"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_runs(script, args, named):

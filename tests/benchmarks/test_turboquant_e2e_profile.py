@@ -360,6 +360,10 @@ def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
         (["--repeats", "0"], "--repeats 0: expected at least 1"),
         (["--timeout", "-5"], "--timeout -5: expected at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5"),
+        # Not the whole matrix (hours) in place of the list left empty.
+        (["--kv"], "--kv: expected at least one argument"),
+        (["--models"], "--models: expected at least one argument"),
+        (["--scenarios"], "--scenarios: expected at least one argument"),
     ],
 )
 def test_bad_arguments_are_named_before_any_engine_starts(
