@@ -95,6 +95,14 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
     that many patches run at once (each in its own tree and process); each
     one's output is held and printed in series order.
     """
+    unmatched = [k for k in only if not any(k in p.name for p in series.patches)]
+    if unmatched:
+        # Otherwise the run selects nothing and reports every patch passing.
+        raise SystemExit(
+            f"no patch in patches/series matches {', '.join(map(repr, unmatched))}: "
+            "give part of a patch's name, e.g. its number (0017); known: "
+            + ", ".join(p.name for p in series.patches)
+        )
     selected = []
     for n, patch in enumerate(series.patches, 1):
         if only and not any(k in patch.name for k in only):

@@ -4,6 +4,8 @@
 import threading
 import time
 
+import pytest
+
 from hybridkv import prefix
 from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.prefix import prefix_tree
@@ -60,3 +62,17 @@ def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeyp
     assert order == sorted(order), text
     assert rc == 1 and f"FAILED at their place in the series: {names[1]}\n" in text
     assert most[0] == 2
+
+
+def test_a_patch_that_matches_nothing_is_named_not_passed(series, monkeypatch):
+    """`hybridkv prefix-test 9999` ran nothing and printed that every patch's
+    tests pass."""
+
+    def at_its_place(*args):
+        raise AssertionError("no patch should run")
+
+    monkeypatch.setattr(prefix, "_at_its_place", at_its_place)
+    printed = []
+    with pytest.raises(SystemExit, match=r"matches '9999':.*e\.g\. its number"):
+        prefix.run(series, ["0001", "9999"], [], log=printed.append)
+    assert printed == []
