@@ -167,7 +167,21 @@ def select(cells: list[Cell], only: str | None) -> list[Cell]:
                 f"model/kv/spec/cg, got {part!r}"
             )
         filters[name] = set(values.split("|"))
-    return [c for c in cells if all(getattr(c, k) in v for k, v in filters.items())]
+    for name, values in filters.items():
+        there = sorted({getattr(c, name) for c in cells})
+        unknown = sorted(values - set(there))
+        if unknown:
+            raise SystemExit(
+                f"--only {name}={'|'.join(unknown)}: no cell of this matrix has "
+                f"that {name}; its {name} values: {', '.join(there)}"
+            )
+    chosen = [c for c in cells if all(getattr(c, k) in v for k, v in filters.items())]
+    if not chosen:
+        raise SystemExit(
+            f"--only {only}: no cell of this matrix matches all of these at once; "
+            "drop or widen a filter"
+        )
+    return chosen
 
 
 # --------------------------------------------------------------------------
@@ -878,8 +892,6 @@ def run_matrix(args: argparse.Namespace) -> int:
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
-    if not cells:
-        raise SystemExit("no cells selected")
     t0 = time.time()
     ckpts = build_checkpoints(outdir / "ckpt", args.gain)
     prompts = bigram_prompts(args.prompts)

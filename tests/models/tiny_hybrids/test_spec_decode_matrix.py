@@ -4,6 +4,7 @@
 comparison, table, and the injected faults (hook points and what they do)."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -698,3 +699,27 @@ def test_unstable_prompts_are_reported_beside_the_strict_count():
     # whose one difference is on a prompt the references disagree on.
     assert "0/2 cells exact" in table
     assert "1/2 cells exact on every prompt whose output without" in table
+
+
+@pytest.mark.parametrize(
+    "only, named",
+    [
+        # A value no cell has: named with the values there are.
+        ("model=nope", "--only model=nope: no cell of this matrix has that model"),
+        ("kv=4bit_nc", "its kv values: auto, turboquant_4bit_nc"),
+        # Values that exist, but in no cell together.
+        ("model=qwen3_5,spec=ngram3", "matches all of these at once"),
+    ],
+)
+def test_only_that_selects_no_cell_says_which_filter(only, named):
+    # It printed "no cells selected" and nothing about why.
+    with pytest.raises(SystemExit, match=re.escape(named)):
+        sdm.select(list(sdm.QUICK_CELLS), only)
+
+
+def test_only_selects_the_cells_it_names():
+    chosen = sdm.select(list(sdm.QUICK_CELLS), "model=qwen3_next,cg=NONE")
+    assert [(c.kv, c.spec) for c in chosen] == [
+        ("auto", "mtp3"),
+        ("turboquant_4bit_nc", "mtp3"),
+    ]
