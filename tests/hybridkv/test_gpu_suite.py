@@ -1,0 +1,24 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/gpu-suite.sh, the GPU host's test command, on bad input."""
+
+import os
+import subprocess
+
+from hybridkv.base import REPO
+
+
+def test_a_prefix_without_a_runtime_is_named_before_anything_runs(tmp_path):
+    # It ran pytest against whatever python3 found: tracebacks (no torch
+    # here, or the host's pristine vLLM there) in place of the reason.
+    out = subprocess.run(
+        ["bash", "scripts/gpu-suite.sh", str(tmp_path / "nowhere")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OUT=str(tmp_path)),
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"no vLLM runtime under {tmp_path / 'nowhere'}" in out.stderr
+    assert "unpack.sh PREFIX" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "gpu-suite.log").exists()
