@@ -133,6 +133,26 @@ def test_missing_directory_is_not_a_hub_error(tmp_path, capsys):
     assert "no such directory" in err and "Repo id" not in err
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"model_type": "qwen3"', "config.json is not valid JSON (Expecting"),
+        ("[1, 2]", "config.json holds a JSON list, expected an object"),
+    ],
+)
+def test_a_config_that_is_not_a_json_object_is_named(tmp_path, capsys, text, expected):
+    # transformers raised OSError from inside the planner: a traceback.
+    (tmp_path / "config.json").write_text(text)
+    rc = kv_capacity.main(
+        [str(tmp_path), "--max-model-len", "4096", "--kv-cache-memory-bytes", "1"]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(f"vllm kv-capacity: error: MODEL_DIR {tmp_path}: its ")
+    assert expected in message and "Fetch the model's config.json again" in message
+
+
 def test_json_input_error_is_json(tmp_path, capsys):
     model = qwen3_config(tmp_path / "qwen3")
     rc = kv_capacity.main([str(model), "--max-model-len", "4096", "--json"])

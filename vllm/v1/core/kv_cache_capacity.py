@@ -28,6 +28,7 @@ install (``pristine=True``) to show what 0.20.2 would do.
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import types
@@ -142,10 +143,25 @@ def _model_dir(flag: str, value: str) -> None:
             "config.json from a local directory (no download); fetch it with "
             f"`hf download <repo id> config.json --local-dir {value}`."
         )
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise CapacityInputError(
             f"{flag} {value}: the directory has no config.json. Point it at the "
             "model directory (the one holding config.json)."
+        )
+    # transformers' own error for it is a traceback, raised inside the planner.
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CapacityInputError(
+            f"{flag} {value}: its config.json is not valid JSON ({e}). Fetch the "
+            "model's config.json again."
+        ) from e
+    if not isinstance(parsed, dict):
+        raise CapacityInputError(
+            f"{flag} {value}: its config.json holds a JSON {type(parsed).__name__}, "
+            "expected an object of the model's settings. Fetch the model's "
+            "config.json again."
         )
 
 
