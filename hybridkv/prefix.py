@@ -95,7 +95,8 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
     that many patches run at once (each in its own tree and process); each
     one's output is held and printed in series order.
     """
-    unmatched = [k for k in only if not any(k in p.name for p in series.patches)]
+    chosen = {k: {p.name for p in series.patches if k in p.name} for k in only}
+    unmatched = [k for k, names in chosen.items() if not names]
     if unmatched:
         # Otherwise the run selects nothing and reports every patch passing.
         raise SystemExit(
@@ -103,9 +104,10 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
             "give part of a patch's name, e.g. its number (0017); known: "
             + ", ".join(p.name for p in series.patches)
         )
+    names = set().union(*chosen.values())
     selected = []
     for n, patch in enumerate(series.patches, 1):
-        if only and not any(k in patch.name for k in only):
+        if only and patch.name not in names:
             continue
         if skip_full and n == len(series.patches):
             selected.append((n, patch, None))

@@ -1049,7 +1049,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
-    kernel_test()
+    kernel_test()  # before the GPU check: a broken import shows on any host
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton

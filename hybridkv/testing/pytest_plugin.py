@@ -57,6 +57,12 @@ _TRUE = {"1", "true", "yes", "on"}
 # The commit the stand-in hub cache says `main` points at (any 40 hex digits).
 _STAND_IN_COMMIT = "0" * 40
 
+# vLLM's autouse teardown fixture (tests/conftest.py), which the plugin lightens
+# on a CPU run; see the module docstring.
+_UPSTREAM_CLEANUP = "cleanup_fixture"
+# Set on the tests the plugin lightened, not on those vLLM marks itself.
+_LIGHTENED = pytest.StashKey[bool]()
+
 # Filled by _setup(); read by hooks and fixtures.
 _state: dict = {"done": False, "cuda": False, "interpret_error": None}
 
@@ -309,13 +315,6 @@ def triton_device() -> str:
         return "cuda"
     _require_interpreter()
     return "cpu"
-
-
-# vLLM's autouse teardown fixture (tests/conftest.py), which the plugin lightens
-# on a CPU run; see the module docstring.
-_UPSTREAM_CLEANUP = "cleanup_fixture"
-# Set on the tests the plugin lightened, not on those vLLM marks itself.
-_LIGHTENED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(autouse=True)
