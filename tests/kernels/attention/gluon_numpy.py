@@ -86,6 +86,20 @@ class Pointer:
     def __getitem__(self, idx):
         return Pointer(self.buf, self.off[idx], self.dtype.element_ty)
 
+    def to(self, ty):
+        """A pointer of another element type to the same bytes (``ty`` from
+        ``gl.pointer_type``); its address must be aligned to that type, as
+        on a GPU."""
+        ratio = np.dtype(ty.element_ty.np).itemsize // self.buf.itemsize
+        if ratio < 1 or (self.off % ratio).any():
+            raise ValueError(
+                f"pointer cast to {ty.element_ty.np} at element {self.off} of "
+                f"{self.buf.dtype}: not aligned to its size"
+            )
+        return Pointer(
+            self.buf.view(ty.element_ty.np), self.off // ratio, ty.element_ty
+        )
+
 
 def _masked(ptr, mask, shape=()):
     shape = np.broadcast_shapes(
@@ -114,9 +128,17 @@ def _store(ptr, val, mask=None):
     ptr.buf[off[m]] = val[m].astype(ptr.buf.dtype)
 
 
+class _PointerType:
+    def __init__(self, element_ty):
+        self.element_ty = element_ty
+
+
 class _Shared:
     def __init__(self, array: np.ndarray):
         self.a = array
+
+    def permute(self, order):
+        return _Shared(np.transpose(self.a, order))
 
     def store(self, x):
         if x.shape != self.a.shape:
@@ -127,7 +149,9 @@ class _Shared:
         return _t(self.a.copy())
 
     def index(self, i):
-        return _Shared(self.a[i])
+        # int(): a 0-d array index would copy (NumPy's advanced indexing)
+        # where the kernel means a view of its buffer.
+        return _Shared(self.a[int(i)])
 
     def slice(self, start, length, dim=0):
         idx = [slice(None)] * self.a.ndim
@@ -154,6 +178,7 @@ def _language(pid) -> types.SimpleNamespace:
         uint32=uint32,
         float8e4nv=FLOAT8E4NV,
         constexpr=object,
+        pointer_type=_PointerType,
         program_id=lambda i: _t(np.int32(pid[i])),
         arange=lambda a, b, layout=None: _t(np.arange(a, b, dtype=np.int32)),
         full=lambda shape, value, dtype, layout=None: _t(

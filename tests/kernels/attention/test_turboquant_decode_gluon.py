@@ -462,13 +462,94 @@ def test_a_warp_that_reads_only_its_own_partials_turns_the_check_red(
     assert loads
 
 
+# (preset, head_dim, KV heads, page padding, read as shifted 32-bit words).
+SHIFTED_CASES = [
+    ("turboquant_4bit_nc", 128, 2, 0, True),  # both parities of slot start
+    ("turboquant_4bit_nc", 256, 4, 4, True),  # padded by a whole word
+    ("turboquant_4bit_nc", 512, 2, 0, False),  # spilled, no faster (NOTES)
+    ("turboquant_4bit_nc", 128, 1, 0, False),  # token stride 134 bytes
+    ("turboquant_4bit_nc", 128, 2, 2, False),  # page stride 2 past a word
+    ("turboquant_k3v4_nc", 128, 2, 0, False),  # 3-bit keys: 16-bit words
+    ("turboquant_k8v4", 128, 2, 0, False),  # whole words already
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "head_dim", "num_kv_heads", "pad_bytes", "shifted"), SHIFTED_CASES
+)
+def test_4bit_slots_are_read_as_shifted_words(
+    triton_interpret, monkeypatch, preset, head_dim, num_kv_heads, pad_bytes, shifted
+):
+    """turboquant_4bit_nc slots are 2 bytes longer than a multiple of 4; where
+    the page and token strides are whole words they are read as 32-bit words
+    all the same (``shifted_slots``), against float64 like every other path."""
+    seen = []
+    run = gluon_numpy.runner()
+
+    def runner(kernel, grid, args, constexprs):
+        seen.append(constexprs["SHIFTED"])
+        run(kernel, grid, args, constexprs)
+
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    _run(
+        triton_interpret,
+        preset,
+        head_dim,
+        2,
+        [19, 45],
+        num_kv_heads=num_kv_heads,
+        pad_bytes=pad_bytes,
+        splits=2,
+    )
+    assert seen == [shifted]
+
+
+def test_shifted_slots_need_the_value_field_2_bytes_off():
+    """_stage1 finds the norm, scale and zero of a shifted slot by its value
+    field starting 2 bytes past its key field's word alignment; a key field
+    of whole words would read the wrong half-words, so it is refused."""
+    args = (128, 4, 16, False, 4, 64, True, False, True, 256, 4, False, 67, True)
+    with pytest.raises(ValueError, match="2 bytes longer than a multiple of 4"):
+        gluon_decode._constexprs(*args, shifted=True)
+    assert not gluon_decode._constexprs(*args)["SHIFTED"]
+
+
+@pytest.mark.parametrize("field", ["key", "value"])
+def test_a_shifted_field_without_its_last_half_word_turns_the_check_red(
+    triton_interpret, monkeypatch, field
+):
+    """The half-word a shifted field loses to the word before it is put back
+    from the scalar words; dropped, the odd KV head's scores (keys) or the
+    even one's last 4 output dimensions (values) are wrong."""
+    models = dict(gluon_numpy.MODELS)
+    helper = gluon_decode._funnel
+    calls = []
+
+    def funnel(lo, hi, shift):
+        calls.append(None)
+        out = gluon_numpy.call(helper, lo, hi, shift)
+        # Per tile: the value scale, the zero, the key norm, then the patch;
+        # the patch's shift is 0 for even KV heads (values), 32 for odd.
+        if len(calls) % 4 == 0 and (np.asarray(shift) == 32).all() == (field == "key"):
+            return out * 0
+        return out
+
+    models[helper.fn.__name__] = funnel
+    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
+    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
+    with pytest.raises(AssertionError, match="max error"):
+        _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70])
+
+
 @pytest.mark.parametrize("fault", [None, "the first cache's token stride kept"])
 def test_each_cache_compiles_with_its_own_token_stride(
     triton_interpret, gluon_on_numpy, monkeypatch, fault
 ):
     """The token stride is a constant of the compiled stage 1 (its loads take
-    it as immediates), so it must come from each cache: 1 KV head, then 2
-    a slot apart. Kept from the first cache, the second reads other tokens'
+    it as immediates), so it must come from each cache: 1 KV head (67 16-bit
+    words), then 4 (134 32-bit words: ``shifted_slots``; 2 heads would be
+    67 again). Kept from the first cache, the second reads other tokens'
     words (red)."""
     if fault:
         real, first = gluon_decode._constexprs, []
@@ -484,7 +565,7 @@ def test_each_cache_compiles_with_its_own_token_stride(
         monkeypatch.setattr(gluon_decode, "_constexprs", stale)
     _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45], num_kv_heads=1)
     second = lambda: _run(  # noqa: E731
-        triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], num_kv_heads=2
+        triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], num_kv_heads=4
     )
     if fault:
         with pytest.raises(AssertionError, match="max error"):

@@ -688,18 +688,27 @@ def _page(bt_row, tile, end, PAGE: gl.constexpr):
 
 @gluon.jit
 def _tile_words(
-    KV_ptr, blk, tile, end, stride_cb, stride_cp, head_off,
+    KV_ptr, blk, tile, end, stride_cb, stride_cp, head_off, par,
     offk, kin, offv, vin, ns,
     PAGE: gl.constexpr, KEY_FP8: gl.constexpr, NORM16: gl.constexpr,
     VOFF16: gl.constexpr, VW16: gl.constexpr, WORD32: gl.constexpr,
-    MSE3: gl.constexpr, V3: gl.constexpr,
+    MSE3: gl.constexpr, V3: gl.constexpr, SHIFTED: gl.constexpr,
 ):  # fmt: skip
     """One tile's packed words from its block ``blk`` (``_page``): keys,
     values, and per token the value scale and zero (both in ``w0`` when
-    WORD32) and the key norm (``w2``). A tile at or past ``end`` loads
-    nothing."""
+    WORD32) and the key norm (``w2``); SHIFTED: the three words holding
+    the norm, the scale and the zero (read in ``_stage1``). A tile at or
+    past ``end`` loads nothing."""
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
     kw = _load_field(tb, offk, kin, MSE3)
+    if SHIFTED:  # word offsets from the key field's first word (_stage1)
+        live = (tile + ns) < end
+        tok = tb + ns * stride_cp
+        vw = gl.load(tb + par + offv)
+        w0 = gl.load(tok + NORM16 // 2, mask=live, other=0)
+        w1 = gl.load(tok + (VOFF16 + VW16 - 1) // 2, mask=live, other=0)
+        w2 = gl.load(tok + (VOFF16 + VW16 + 1) // 2, mask=live, other=0)
+        return kw, vw, w0, w1, w2
     vw = _load_field(tb, offv, vin, V3)
     live = (tile + ns) < end
     tok = tb + ns * stride_cp
@@ -713,6 +722,21 @@ def _tile_words(
     return kw, vw, w0, w1, w2
 
 
+@gluon.jit
+def _funnel(lo, hi, shift):
+    """Bits ``shift`` .. ``shift`` + 15 (``shift`` 0 to 32) of the 64-bit
+    word (hi, lo), as int16."""
+    w = gl.inline_asm_elementwise(
+        "shf.r.clamp.b32 $0, $1, $2, $3;",
+        "=r,r,r,r",
+        [lo, hi, shift],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=1,
+    )
+    return w.to(gl.int16)
+
+
 # The split count and the scratch strides that scale with it are launch
 # arguments, not specialized: batch sizes outside the captured CUDA graphs
 # (mixed prefill/decode steps) pick split counts of their own, and a compile
@@ -720,7 +744,7 @@ def _tile_words(
 @gluon.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _stage1(
     Q_ptr,  # [B, Hq, D]: rotated query (MSE keys) or the query (FP8 keys)
-    KV_ptr,  # the cache as int32 words (WORD32) or int16 words
+    KV_ptr,  # the cache as int32 words (WORD32), else int16 words
     Block_table_ptr,
     Seq_lens_ptr,
     Table_ptr,  # key_table() (MSE keys)
@@ -772,6 +796,10 @@ def _stage1(
     VREG: gl.constexpr,
     RED: gl.constexpr,
     WORD32: gl.constexpr,
+    # Slots 2 bytes longer than a multiple of 4 (4-bit keys and values), read
+    # as int32 words all the same: see ``shifted_slots``. The cache comes as
+    # int16 words; stride_cb and STRIDE_CP in int32 words, stride_ch in int16.
+    SHIFTED: gl.constexpr,
     MSE3: gl.constexpr,  # 3-bit MSE keys, converted to 4-bit words on load
     V3: gl.constexpr,  # 3-bit values, the same
     VW16: gl.constexpr,  # u16 words of a slot's values
@@ -790,6 +818,9 @@ def _stage1(
     split = gl.program_id(2)
     D: gl.constexpr = HEAD_DIM
     U: gl.constexpr = 2 if WORD32 else 1  # u16 words per load unit
+    # SHIFTED: 1 where this KV head's slot starts 2 bytes past a word (the
+    # page and token strides are whole words: stage1 checks).
+    par = (kv_head * stride_ch) & 1 if SHIFTED else 0
     S2: gl.constexpr = gl.SliceLayout(0, MMA)  # [16, 16] scores, in every warp
     COL: gl.constexpr = gl.SliceLayout(0, S2)  # per token
     ROW: gl.constexpr = gl.SliceLayout(1, S2)  # per dot row
@@ -844,22 +875,41 @@ def _stage1(
     )
     kq = cq[:, None, None, None] * QC + kq[None, None, None, :]
     pq = 32 * ((kq >> 1) & 3) + (kq & 1) + 2 * ((kq >> 3) & 1) + 4 * (kq >> 4)
-    q = gl.load(
+    q_at = (
         Q_ptr
         + row * stride_qb
         + (kv_head * GROUP + rq)[None, None, :, None] * stride_qh
-        + wq[None, :, None, None] * _SLICE
-        + pq,
-        mask=(rq < GROUP)[None, None, :, None],
-        other=0.0,
-    ).to(gl.float32)
+    )
+    if SHIFTED:
+        # The keys of odd KV heads start 2 bytes past a word: their last 4
+        # dimensions sit in their first word (``shifted_slots``), so the
+        # key at position P is dimension (P - 4) mod D.
+        q_at = q_at + (wq[None, :, None, None] * _SLICE + pq + (D - 4 * par)) % D
+    else:
+        q_at = q_at + wq[None, :, None, None] * _SLICE + pq
+    q = gl.load(q_at, mask=(rq < GROUP)[None, None, :, None], other=0.0)
+    q = q.to(gl.float32)
 
     m_i = gl.full([16], float("-inf"), gl.float32, ROW)
     l_i = gl.full([16], 0.0, gl.float32, ROW)
     z_i = gl.full([16], 0.0, gl.float32, ROW)  # sum_n p_n * zero_n
     acc = gl.full([W, 16, _SLICE], 0.0, gl.float32, MMA)
 
-    if WORD32:
+    if SHIFTED:
+        # Keys and values side by side (16 words a token and slice each), so
+        # that the shifted field's first words are one view of the two.
+        kv = gl.allocate_shared_memory(gl.int32, [2, W, 16, 4, PTW], _SMEM4)
+        k_smem = kv.index(0)
+        v_smem = kv.index(1)._reinterpret(gl.int32, [W, 16, 16], _SMEM3)
+        # Per token, the low half of that field's first word: [1, 1, 16].
+        patch_smem = (
+            kv._reinterpret(gl.int16, [2, W, 16, 32], _SMEM3)
+            .index(1 - par)
+            .slice(0, 1, dim=0)
+            .slice(0, 1, dim=2)
+            .permute([0, 2, 1])
+        )
+    elif WORD32:
         k_smem = gl.allocate_shared_memory(gl.int32, [W, 16, 4, PTW], _SMEM4)
         v_smem = gl.allocate_shared_memory(gl.int32, [W, 16, 16], _SMEM3)
     else:
@@ -868,7 +918,13 @@ def _stage1(
         k_smem = k16._reinterpret(gl.int32, [W, 16, 4, PTW], _SMEM4)
         v_smem = v16._reinterpret(gl.int32, [W, 16, 16], _SMEM3)
 
-    head_off = kv_head.to(gl.int64) * stride_ch
+    if SHIFTED:
+        # The key field's first word (at or before its start); the value
+        # field's is (VOFF16 - 1) / 2 + par words on (VOFF16 is odd).
+        KV_ptr = KV_ptr.to(gl.pointer_type(gl.int32))
+        head_off = (kv_head.to(gl.int64) * stride_ch) >> 1
+    else:
+        head_off = kv_head.to(gl.int64) * stride_ch
     offk, kin = _field_offsets(LDK, KW16 // U, W, MSE3, STRIDE_CP, 0)
     offv, vin = _field_offsets(LDV, VW16 // U, W, V3, STRIDE_CP, VOFF16 // U)
     ns = gl.arange(0, 16, layout=COL)
@@ -918,9 +974,9 @@ def _stage1(
     # The next tile's words are loaded before this one is computed (a
     # register double buffer), so DRAM latency overlaps the dots.
     kw, vw, w0, w1, w2 = _tile_words(
-        KV_ptr, blk, start, end, stride_cb, STRIDE_CP, head_off,
+        KV_ptr, blk, start, end, stride_cb, STRIDE_CP, head_off, par,
         offk, kin, offv, vin, ns,
-        PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
+        PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3, SHIFTED,
     )  # fmt: skip
     if PAGE_AHEAD:
         blk = _page(bt_row, start + 16, end, PAGE)
@@ -932,7 +988,16 @@ def _stage1(
     q_all.store(gl.reshape(q16, [NCH * W, 16, QC]))
     for tile in range(start, end, 16):
         live = (tile + ns) < end
-        if WORD32:
+        if SHIFTED:
+            # Half-words, low | high. Odd heads: w0 = last key | norm, w1 =
+            # two values, w2 = scale | zero; even heads: w0 = norm | first
+            # value, w1 = last value | scale, w2 = zero | next slot.
+            sh = 16 * par
+            v_scale = _f16_of_u16(_funnel(w1, w2, 16 + sh))
+            v_zero = _f16_of_u16(_funnel(w2, w2, sh))
+            factor = _f16_of_u16(_funnel(w0, w0, sh)) * qk_scale
+            patch = _funnel(w1, w0, 2 * sh)  # last key (odd) or value (even)
+        elif WORD32:
             v_scale = _f16_of_u16((w0 & 0xFFFF).to(gl.int16))
             v_zero = _f16_of_u16((w0 >> 16).to(gl.int16))
         else:
@@ -940,7 +1005,7 @@ def _stage1(
             v_zero = _f16_of_u16(w1)
         if KEY_FP8:
             factor = gl.full([16], 1.0, gl.float32, COL) * qk_scale
-        else:
+        elif not SHIFTED:
             factor = _f16_of_u16(w2) * qk_scale
         gl.thread_barrier()
         if WORD32:
@@ -961,12 +1026,18 @@ def _stage1(
         if not PAGE_AHEAD:
             blk = _page(bt_row, tile + 16, end, PAGE)
         kw, vw, w0, w1, w2 = _tile_words(
-            KV_ptr, blk, tile + 16, end, stride_cb, STRIDE_CP, head_off,
+            KV_ptr, blk, tile + 16, end, stride_cb, STRIDE_CP, head_off, par,
             offk, kin, offv, vin, ns,
-            PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3,
+            PAGE, KEY_FP8, NORM16, VOFF16, VW16, WORD32, MSE3, V3, SHIFTED,
         )  # fmt: skip
         if PAGE_AHEAD:
             blk = _page(bt_row, tile + 32, end, PAGE)
+        if SHIFTED:
+            # The shifted field's first word: its last half-word replaces
+            # the other field's half read with it. Its whole word was stored
+            # above by another thread, hence the barriers around.
+            patch_smem.store(gl.expand_dims(gl.expand_dims(patch, 0), 0))
+            gl.thread_barrier()
 
         # ---- scores: each warp over its slice, QC dimensions per chunk ----
         raw = gl.full([W, 16, 16], 0.0, gl.float32, MMA)
@@ -1081,6 +1152,8 @@ def _stage1(
     oc = gl.arange(0, _SLICE, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))
     # Slice-local logical column n = g + 8 jn is physical dimension 16 g + jn.
     phys = ow[:, None, None] * _SLICE + (16 * (oc % 8) + oc // 8)[None, None, :]
+    if SHIFTED:  # the values of even KV heads, as the keys of odd ones
+        phys = (phys + (D - 4 * (1 - par))) % D
     h8 = kv_head * GROUP + o8
     omask = (o8 < GROUP)[None, :, None]
     if not SPLIT:
@@ -1113,9 +1186,18 @@ def _constexprs(
     tails: bool,
     stride_cp: int,
     pdl: bool,
+    shifted: bool = False,
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
+    if shifted and key_packed_size % 4 != 2:
+        # _stage1 finds the norm, scale and zero by the value field's start
+        # being 2 bytes past the key field's (mod 4).
+        raise ValueError(
+            f"shifted slots need a key field (its norm included) 2 bytes longer "
+            f"than a multiple of 4; got {key_packed_size} bytes: read this "
+            "cache with shifted=False"
+        )
     return MappingProxyType(
         dict(
             SPLIT=split,
@@ -1139,7 +1221,8 @@ def _constexprs(
             # that way (H100; benchmarks/NOTES.md, "Release 24").
             PAGE_AHEAD=value_bits == 3,
             PDL=pdl,
-            **launch_config(head_dim, key_fp8, word32, mse_bits, value_bits),
+            SHIFTED=shifted,
+            **launch_config(head_dim, key_fp8, word32 or shifted, mse_bits, value_bits),
         )
     )
 
@@ -1148,6 +1231,50 @@ def _unit_bytes(word32: bool) -> int:
     """Bytes per cache load unit: 32-bit words (FP8-key slots, 4-byte
     aligned), else 16-bit ones."""
     return 4 if word32 else 2
+
+
+def _shiftable(head_dim: int, key_fp8: bool, mse_bits: int, value_bits: int) -> bool:
+    """4-bit MSE keys and 4-bit values (slots of head_dim + 6 bytes), at
+    head_dim 128 or 256. At 512 the shifted tile spilled 40 bytes (12 local
+    loads and stores a tile) and ran 0.2 % faster (H200; NOTES, "Release
+    27"): the 16-bit path stays there."""
+    return not key_fp8 and mse_bits == 4 and value_bits == 4 and head_dim <= 256
+
+
+def shifted_slots(
+    kv_cache: torch.Tensor,
+    head_dim: int,
+    key_fp8: bool,
+    mse_bits: int,
+    value_bits: int,
+) -> bool:
+    """Whether stage 1 reads this cache's slots as 32-bit words although
+    they are 2 bytes longer than a multiple of 4 (``SHIFTED``).
+
+    A ``turboquant_4bit_nc`` slot is D / 2 key bytes, the key norm, D / 2
+    value bytes, the value scale and zero: D + 6 bytes. With 16-bit loads its
+    tile cost 769 SASS instructions against k8v4's 477 (head_dim 128; 754
+    read this way, and 6-7 % less time: benchmarks/NOTES.md). Where the page
+    and token strides are whole words (an even number of KV heads), a slot
+    starts 0 or 2 bytes past a word, the same for every token of a KV head,
+    and its value field starts 2 bytes off from its key field. Each field is
+    read from the word at or before its start, D / 8 words: the one that
+    starts 2 bytes past a word misses its last half-word, and its first
+    word's low half holds a foreign one (the key norm, or the previous
+    slot's zero). Stage 1 stores that last half-word there, read with the
+    norm or the scale, and reads the field rotated by 4 dimensions. 3-bit
+    fields keep the 16-bit path."""
+    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
+        words_aligned,
+    )
+
+    return (
+        _shiftable(head_dim, key_fp8, mse_bits, value_bits)
+        and words_aligned(kv_cache, 2)
+        and kv_cache.data_ptr() % 4 == 0
+        and kv_cache.stride(0) % 4 == 0
+        and kv_cache.stride(1) % 4 == 0
+    )
 
 
 def stage1(
@@ -1181,10 +1308,15 @@ def stage1(
 
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
-    # MSE presets' slots are 2 bytes longer than a multiple of 4).
+    # MSE presets' slots are 2 bytes longer than a multiple of 4; the 4-bit
+    # ones are read as 32-bit words shifted by their start, shifted_slots).
     word32 = key_fp8 and words_aligned(kv_cache, 4)
-    unit = _unit_bytes(word32)
+    shifted = shifted_slots(kv_cache, D, key_fp8, mse_bits, value_bits)
+    unit = _unit_bytes(word32 or shifted)
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
+    strides = stage1_strides(q_in, kv_cache, unit, block_table, out, mid)
+    if shifted:  # the head stride in int16 words (see _stage1)
+        strides = (*strides[:4], kv_cache.stride(2) // 2, *strides[5:])
     args = (
         q_in,
         words,
@@ -1195,7 +1327,7 @@ def stage1(
         mid,
         qk_scale,
         num_splits,
-        *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
+        *strides,
     )
     constexprs = _constexprs(
         D,
@@ -1212,6 +1344,7 @@ def stage1(
         key_tails,
         kv_cache.stride(1) // unit,
         programmatic_launch(q_in.device),
+        shifted,
     )
     # A GPU hands out blocks x first, so with the splits last every (KV head,
     # row)'s first split goes out before any second one. In a batch of short
@@ -1244,6 +1377,7 @@ def static_compile(
     word32: bool | None = None,
     value_bits: int = 4,
     key_tails: bool = True,
+    shifted: bool | None = None,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
     reports): bf16 queries and outputs, pages of 16 tokens ``token_bytes``
@@ -1254,12 +1388,16 @@ def static_compile(
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    # 32-bit words where the slots allow them (FP8 keys), as stage1() decides.
+    # 32-bit words where the slots allow them (FP8 keys; 4-bit keys and
+    # values at a token stride of whole words), as stage1() decides.
     word32 = key_fp8 if word32 is None else word32
+    if shifted is None:
+        shifted = _shiftable(head_dim, key_fp8, mse_bits, value_bits)
+        shifted = shifted and token_bytes % 4 == 0
     constexprs = _constexprs(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits, key_tails, token_bytes // _unit_bytes(word32),
-        arch >= 90,
+        word32, True, 256, value_bits, key_tails,
+        token_bytes // _unit_bytes(word32 or shifted), arch >= 90, shifted,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",
