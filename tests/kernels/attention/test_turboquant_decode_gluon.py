@@ -509,10 +509,14 @@ def test_shifted_slots_need_the_value_field_2_bytes_off():
     """_stage1 finds the norm, scale and zero of a shifted slot by its value
     field starting 2 bytes past its key field's word alignment; a key field
     of whole words would read the wrong half-words, so it is refused."""
-    args = (128, 4, 16, False, 4, 64, True, False, True, 256, 4, False, 67, True)
+    layout = dict(
+        head_dim=128, group=4, page=16, key_fp8=False, mse_bits=4,
+        key_packed_size=64, norm_correction=True, word32=False, split=True,
+        min_split_tokens=256, value_bits=4, tails=False, stride_cp=67, pdl=True,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="2 bytes longer than a multiple of 4"):
-        gluon_decode._constexprs(*args, shifted=True)
-    assert not gluon_decode._constexprs(*args)["SHIFTED"]
+        gluon_decode._constexprs(**layout, shifted=True)
+    assert not gluon_decode._constexprs(**layout)["SHIFTED"]
 
 
 @pytest.mark.parametrize("field", ["key", "value"])

@@ -701,7 +701,10 @@ def _tile_words(
     past ``end`` loads nothing."""
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
     kw = _load_field(tb, offk, kin, MSE3)
-    if SHIFTED:  # word offsets from the key field's first word (_stage1)
+    # SHIFTED: word offsets from the key field's first word (_stage1). Its own
+    # branch, so that the other paths keep release 26's statement order (and
+    # SASS: the order of these loads moved their registers at head_dim 256).
+    if SHIFTED:
         live = (tile + ns) < end
         tok = tb + ns * stride_cp
         vw = gl.load(tb + par + offv)
@@ -1314,9 +1317,11 @@ def stage1(
     shifted = shifted_slots(kv_cache, D, key_fp8, mse_bits, value_bits)
     unit = _unit_bytes(word32 or shifted)
     words = kv_cache.view(torch.int32 if word32 else torch.int16)
-    strides = stage1_strides(q_in, kv_cache, unit, block_table, out, mid)
-    if shifted:  # the head stride in int16 words (see _stage1)
-        strides = (*strides[:4], kv_cache.stride(2) // 2, *strides[5:])
+    qb, qh, cb, cp, ch, *rest = stage1_strides(
+        q_in, kv_cache, unit, block_table, out, mid
+    )
+    if shifted:  # the head stride in int16 words: its parity is read (_stage1)
+        ch = kv_cache.stride(2) // 2
     args = (
         q_in,
         words,
@@ -1327,7 +1332,12 @@ def stage1(
         mid,
         qk_scale,
         num_splits,
-        *strides,
+        qb,
+        qh,
+        cb,
+        cp,
+        ch,
+        *rest,
     )
     constexprs = _constexprs(
         D,
