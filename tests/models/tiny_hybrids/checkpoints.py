@@ -211,6 +211,21 @@ def _model_class(config):
     return getattr(transformers, arch)
 
 
+def hf_config(path: str | Path):
+    """The checkpoint's config as transformers' own class for its model_type.
+
+    Not ``AutoConfig``: it answers with the class registered last, and vLLM's
+    config parser registers its own for qwen3_5 in the process. That class's
+    vision config has no ``rope_parameters``, which transformers 5.17's vision
+    tower reads, so a checkpoint built after any engine or ModelConfig in the
+    same process failed there (the GPU suite's order)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return getattr(transformers, CONFIG_MAPPING_NAMES[model_type]).from_pretrained(path)
+
+
 def _is_constant(t: torch.Tensor) -> bool:
     return t.numel() > 0 and bool((t == t.flatten()[0]).all())
 
@@ -304,13 +319,12 @@ def build_checkpoint(
     ``MODELS[name]`` (variants of a checkpoint: other layer counts, heads).
     """
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
     spec = spec or MODELS[name]
     if bigram_gain is None:
         bigram_gain = spec.bigram_gain
     path = write_config(name, path, spec)
-    config = AutoConfig.from_pretrained(path)
+    config = hf_config(path)
     text = config.get_text_config()
     torch.manual_seed(seed)
     model = _model_class(config)._from_config(config, dtype=torch.float32)
@@ -410,9 +424,7 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
 
 def load_for_cpu(path: str | Path):
     """The saved checkpoint in transformers, fp32 (bf16-rounded weights), eval."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
+    config = hf_config(path)
     model = _model_class(config).from_pretrained(path, dtype=torch.float32)
     return model.eval()
 

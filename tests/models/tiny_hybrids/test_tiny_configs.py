@@ -383,6 +383,20 @@ def test_builder_keyword_overrides(tmp_path):
     assert _layer_geometry(text, 5) == (512, 1)
 
 
+def test_checkpoint_builds_after_vllm_parsed_a_config(tmp_path):
+    """vLLM's config parser registers its own qwen3_5 config class with
+    AutoConfig for the whole process, and the GPU suite builds checkpoints after
+    engines ran in it. transformers 5.17 (the GPU image's) could not build the
+    vision tower from vLLM's class: "'Qwen3_5VisionConfig' object has no
+    attribute 'rope_parameters'". The test env's release (5.14.1) builds it
+    from either class; scripts/test-transformers.sh runs this file under 5.17."""
+    from . import checkpoints
+
+    cfg = checkpoints.write_config("qwen3_5", tmp_path / "cfg")
+    get_config(str(cfg), trust_remote_code=False)
+    checkpoints.build_checkpoint("qwen3_5", tmp_path / "qwen3_5")
+
+
 @pytest.mark.parametrize("name", list(builders.BUILDERS))
 def test_tiny_tokenizer(name, tmp_path):
     from vllm.tokenizers import get_tokenizer
