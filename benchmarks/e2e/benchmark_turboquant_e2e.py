@@ -24,6 +24,9 @@ each scenario once more under the profiler: GPU time per output step by
 kernel class (attention, KV store, GEMM, other) and the wall time per step,
 so the gap to ``auto`` splits into kernels and host time (issue 10, item 3);
 a profiled pass generates at most ``PROFILE_STEPS`` tokens per sequence.
+``--lanes`` spreads the table over several GPUs of one host: one harness
+process per lane, each on its own GPU with its own ``auto``, so every ratio
+is taken on one GPU; their rows merge into one result.
 ``--interleave`` keeps every KV dtype's engine resident at once (an equal
 share of the memory each) and runs each repeat on all of them in turn, so a
 drift over minutes meets every configuration alike; it adds a table of each
@@ -687,9 +690,14 @@ def _close_row(row, cfg, args, error: EngineGone | None):
 
 
 def add_ratios(rows):
-    base = {r["model"]: r for r in rows if r["kv"] == "auto" and "scenarios" in r}
+    # Per GPU where --lanes ran them: two cards of one model differ by a few
+    # per cent under load, which a ratio across them would carry.
+    def same_gpu(r):
+        return r["model"], r.get("gpu")
+
+    base = {same_gpu(r): r for r in rows if r["kv"] == "auto" and "scenarios" in r}
     for r in rows:
-        b = base.get(r["model"])
+        b = base.get(same_gpu(r))
         if not b or "scenarios" not in r:
             continue
         if b.get("kv_tokens") and r.get("kv_tokens"):
@@ -755,14 +763,19 @@ def markdown(meta, rows):
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if meta.get("lanes"):
+        out[2] += (
+            " Each lane ran on its own GPU with its own `auto`: ratios are to the "
+            "`auto` on the same GPU (the model column names it)."
+        )
     for r in rows:
+        model = r["model"] if r.get("gpu") is None else f"{r['model']} (GPU {r['gpu']})"
         kvt = f"{r['kv_tokens']:,}" if r.get("kv_tokens") else "n/a"
         if r.get("kv_tokens_ratio"):
             kvt += f" ({r['kv_tokens_ratio']:.2f}x)"
         if "scenarios" not in r:
             out.append(
-                f"| {r['model']} | {r['kv']} | {kvt} | FAILED (rc {r['rc']}) "
-                "| | | | | |"
+                f"| {model} | {r['kv']} | {kvt} | FAILED (rc {r['rc']}) | | | | | |"
             )
             continue
         for name, s in r["scenarios"].items():
@@ -774,7 +787,7 @@ def markdown(meta, rows):
                 fmt(s["tpot_median_s"], ".2f", 1e3), fmt(s["tpot_p90_s"], ".2f", 1e3)
             )
             out.append(
-                f"| {r['model']} | {r['kv']} | {kvt} | {name} | "
+                f"| {model} | {r['kv']} | {kvt} | {name} | "
                 f"{tok} ({fmt(s.get('output_tok_s_vs_auto'))}x) | "
                 f"{fmt(s['output_tok_s_spread'], '.1%')} / "
                 f"{fmt(s.get('ttft_median_s_spread'), '.0%')} | "
@@ -881,6 +894,103 @@ def profile_markdown(meta, profiles) -> str:
     return "\n".join(out) + "\n"
 
 
+def parse_lanes(specs: list[str], kvs: list[str]) -> list[dict]:
+    """``MODEL[:SCENARIO,...[:KV,...]]`` per lane: its model, its scenarios
+    (all when left empty) and its KV dtypes (``kvs`` when left empty; auto
+    first, as every lane needs its own). ValueError names the lane at fault."""
+    lanes, taken = [], {}
+    for i, spec in enumerate(specs):
+        fields = spec.split(":")
+        where = f"--lanes {spec!r} (lane {i})"
+        if len(fields) > 3:
+            raise ValueError(
+                f"{where}: expected MODEL[:SCENARIO,...[:KV,...]], found "
+                f"{len(fields)} ':'-separated fields"
+            )
+        model, scen, kv = (fields + ["", ""])[:3]
+        if model not in MODELS:
+            raise ValueError(f"{where}: unknown model {model!r}; known: {list(MODELS)}")
+        names = [n for n in scen.split(",") if n] or list(SCENARIOS)
+        lane_kvs = [k for k in kv.split(",") if k] or list(kvs)
+        for what, got, known in (
+            ("scenario", names, SCENARIOS),
+            ("KV dtype", lane_kvs, KV_DTYPES),
+        ):
+            bad = [n for n in got if n not in known]
+            if bad:
+                raise ValueError(f"{where}: unknown {what} {bad}; known: {list(known)}")
+        for n in names:
+            if (model, n) in taken:
+                raise ValueError(
+                    f"{where}: {model} {n} is lane {taken[model, n]}'s already; "
+                    "give each (model, scenario) to one lane, so that one auto "
+                    "stands for its ratios"
+                )
+            taken[model, n] = i
+        if "auto" not in lane_kvs:
+            lane_kvs.insert(0, "auto")
+        lanes.append(dict(model=model, scenarios=names, kv=lane_kvs))
+    return lanes
+
+
+def lane_command(lane: dict, args, out: Path) -> list[str]:
+    """The harness itself, for one lane's model, scenarios and KV dtypes."""
+    cmd = [sys.executable, __file__, "--models", lane["model"]]
+    cmd += ["--scenarios", *lane["scenarios"], "--kv", *lane["kv"]]
+    cmd += ["--repeats", str(args.repeats), "--timeout", str(args.timeout)]
+    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return cmd + ["--out", str(out)] + (["--keep-logs"] if args.keep_logs else [])
+
+
+def run_lanes(lanes: list[dict], gpus: list[int], args, out: Path, stamp: str):
+    """Every lane at once, lane i on GPU ``gpus[i]``; (rows tagged with their
+    GPU, per-lane records). A lane's own output goes to lanes-STAMP/gpuN.log
+    and its results to lanes-STAMP/gpuN/."""
+    import vllm.envs as envs
+
+    root = out / f"lanes-{stamp}"
+    cache = envs.VLLM_CACHE_ROOT
+    procs = []
+    for lane, gpu in zip(lanes, gpus):
+        (root / f"gpu{gpu}").mkdir(parents=True, exist_ok=True)
+        env = dict(
+            child_env(),
+            CUDA_VISIBLE_DEVICES=str(gpu),
+            # Lanes may compile one configuration at the same moment; each
+            # keeps torch.compile's cache apart rather than share its files.
+            VLLM_CACHE_ROOT=os.path.join(cache, f"gpu{gpu}"),
+        )
+        log = open(root / f"gpu{gpu}.log", "w")  # noqa: SIM115 (closed below)
+        cmd = lane_command(lane, args, root / f"gpu{gpu}")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append((lane, gpu, log, proc))
+        print(f"GPU {gpu}: {lane['model']} x {lane['kv']} x {lane['scenarios']}")
+    rows, records = [], []
+    try:
+        for lane, gpu, log, proc in procs:
+            rc = proc.wait()
+            log.close()
+            found = sorted((root / f"gpu{gpu}").glob("e2e-*.json"))
+            lane_rows = json.loads(found[-1].read_text())["rows"] if found else []
+            for r in lane_rows:
+                r["gpu"] = gpu
+            rows += lane_rows
+            records.append(dict(gpu=gpu, rc=rc, **lane))
+            print(f"GPU {gpu}: rc {rc}, {len(lane_rows)} configurations", flush=True)
+    finally:
+        for _, _, log, proc in procs:
+            if proc.poll() is None:
+                # SIGINT, not SIGKILL: the lane's harness then takes down its
+                # configuration's process group, whose engine holds the GPU.
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            log.close()
+    return rows, records
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -914,6 +1024,19 @@ def main():
             "every KV dtype's engine resident at once, sharing "
             "--gpu-memory-utilization; repeats alternate between them"
         ),
+    )
+    ap.add_argument(
+        "--lanes",
+        nargs="+",
+        metavar="MODEL[:SCENARIO,...[:KV,...]]",
+        help=(
+            "run lanes at once, one GPU each (lane i on GPU i, or --gpus); a "
+            "lane's scenarios default to all, its KV dtypes to --kv; every lane "
+            "runs its own auto"
+        ),
+    )
+    ap.add_argument(
+        "--gpus", nargs="+", type=int, help="the GPU of each --lanes lane, in order"
     )
     ap.add_argument(
         "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
@@ -966,6 +1089,38 @@ def main():
             "--interleave times repeats and does not profile: run --profile "
             "or --profile-only without it"
         )
+    lanes = None
+    if args.gpus is not None and not args.lanes:
+        ap.error("--gpus places --lanes lanes on GPUs: pass --lanes with it")
+    if args.lanes:
+        clash = [
+            flag
+            for flag, on in (
+                ("--models", args.models),
+                ("--scenarios", args.scenarios),
+                ("--quick", args.quick),
+                ("--interleave", args.interleave),
+                ("--profile", args.profile),
+                ("--profile-only", args.profile_only),
+            )
+            if on
+        ]
+        if clash:
+            ap.error(
+                f"--lanes with {' '.join(clash)}: each lane names its model and "
+                "scenarios and runs timed repeats only; drop those flags"
+            )
+        gpus = args.gpus if args.gpus is not None else list(range(len(args.lanes)))
+        if len(gpus) != len(args.lanes) or len(set(gpus)) != len(gpus):
+            ap.error(
+                f"--gpus {gpus} for {len(args.lanes)} lane(s): expected one distinct "
+                "GPU per lane (two lanes on one GPU would each take "
+                "--gpu-memory-utilization of it)"
+            )
+        try:
+            lanes = parse_lanes(args.lanes, args.kv or KV_DTYPES)
+        except ValueError as e:
+            ap.error(str(e))
 
     base = (
         QUICK
@@ -979,6 +1134,10 @@ def main():
     if "auto" not in kvs:
         kvs = ["auto", *kvs]  # ratios need it
     scenarios = args.scenarios or base["scenarios"]
+    if lanes is not None:
+        models = list(dict.fromkeys(lane["model"] for lane in lanes))
+        kvs = list(dict.fromkeys(kv for lane in lanes for kv in lane["kv"]))
+        scenarios = list(dict.fromkeys(n for lane in lanes for n in lane["scenarios"]))
     if args.repeats is None:
         args.repeats = base["repeats"]
 
@@ -1011,6 +1170,18 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if lanes is not None:
+        rows, meta["lanes"] = run_lanes(lanes, gpus, args, out, stamp)
+        write_results(out, stamp, meta, rows, [], start)
+        print((out / f"e2e-{stamp}.md").read_text())
+        print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s")
+        failed = [lane["gpu"] for lane in meta["lanes"] if lane["rc"] != 0]
+        if failed:
+            sys.exit(
+                f"lane(s) on GPU {failed} failed: their logs are "
+                f"{out}/lanes-{stamp}/gpuN.log"
+            )
+        return
     rows = []
     profiles = []
     for model in models:

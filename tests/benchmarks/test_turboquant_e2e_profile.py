@@ -364,6 +364,20 @@ def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
         (["--kv"], "--kv: expected at least one argument"),
         (["--models"], "--models: expected at least one argument"),
         (["--scenarios"], "--scenarios: expected at least one argument"),
+        # --lanes (tests/benchmarks/test_turboquant_e2e_lanes.py)
+        (
+            ["--lanes", "Qwen3-4B:short-decode", "Qwen3-4B:mixed,short-decode"],
+            "Qwen3-4B short-decode is lane 0's already",
+        ),
+        (["--lanes", "Qwen3-8B"], "unknown model 'Qwen3-8B'"),
+        (["--lanes", "Qwen3-4B:short-decod"], "unknown scenario ['short-decod']"),
+        (["--lanes", "Qwen3-4B::bf16"], "unknown KV dtype ['bf16']"),
+        (["--lanes", "Qwen3-4B:mixed:auto:x"], "found 4 ':'-separated fields"),
+        (["--lanes", "Qwen3-4B", "Qwen3.6-27B", "--gpus", "1", "1"], "one distinct"),
+        (["--lanes", "Qwen3-4B", "--gpus", "0", "1"], "one distinct GPU per lane"),
+        (["--lanes", "Qwen3-4B", "--quick"], "--lanes with --quick"),
+        (["--lanes", "Qwen3-4B", "--scenarios", "mixed"], "--lanes with --scenarios"),
+        (["--gpus", "1"], "--gpus places --lanes lanes on GPUs"),
     ],
 )
 def test_bad_arguments_are_named_before_any_engine_starts(
@@ -373,6 +387,7 @@ def test_bad_arguments_are_named_before_any_engine_starts(
         raise AssertionError(f"{args} started a configuration")
 
     monkeypatch.setattr(e2e, "run_config", run_config)
+    monkeypatch.setattr(e2e, "run_lanes", run_config)
     monkeypatch.setattr(sys, "argv", ["benchmark_turboquant_e2e.py", *args])
     with pytest.raises(SystemExit) as exit_:
         e2e.main()
