@@ -942,6 +942,12 @@ def lane_command(lane: dict, args, out: Path) -> list[str]:
     return cmd + ["--out", str(out)] + (["--keep-logs"] if args.keep_logs else [])
 
 
+def visible_devices() -> list[str]:
+    """This process's CUDA_VISIBLE_DEVICES as a list ([] when unset): --gpus
+    counts within it, as torch's device indices do."""
+    return [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+
+
 def run_lanes(lanes: list[dict], gpus: list[int], args, out: Path, stamp: str):
     """Every lane at once, lane i on GPU ``gpus[i]``; (rows tagged with their
     GPU, per-lane records). A lane's own output goes to lanes-STAMP/gpuN.log
@@ -950,12 +956,13 @@ def run_lanes(lanes: list[dict], gpus: list[int], args, out: Path, stamp: str):
 
     root = out / f"lanes-{stamp}"
     cache = envs.VLLM_CACHE_ROOT
+    visible = visible_devices()
     procs = []
     for lane, gpu in zip(lanes, gpus):
         (root / f"gpu{gpu}").mkdir(parents=True, exist_ok=True)
         env = dict(
             child_env(),
-            CUDA_VISIBLE_DEVICES=str(gpu),
+            CUDA_VISIBLE_DEVICES=visible[gpu] if visible else str(gpu),
             # Lanes may compile one configuration at the same moment; each
             # keeps torch.compile's cache apart rather than share its files.
             VLLM_CACHE_ROOT=os.path.join(cache, f"gpu{gpu}"),
@@ -1116,6 +1123,12 @@ def main():
                 f"--gpus {gpus} for {len(args.lanes)} lane(s): expected one distinct "
                 "GPU per lane (two lanes on one GPU would each take "
                 "--gpu-memory-utilization of it)"
+            )
+        visible = visible_devices()
+        if any(g < 0 or (visible and g >= len(visible)) for g in gpus):
+            ap.error(
+                f"--gpus {gpus}: expected indices of the GPUs this process sees "
+                f"(CUDA_VISIBLE_DEVICES={','.join(visible) or 'unset'}), from 0"
             )
         try:
             lanes = parse_lanes(args.lanes, args.kv or KV_DTYPES)

@@ -70,16 +70,23 @@ def _lanes_command():
     return command
 
 
+@pytest.mark.parametrize("visible", [None, "7,6,5,4"])
 def test_lanes_run_at_once_and_take_each_ratio_on_their_own_gpu(
-    e2e, monkeypatch, capsys, tmp_path
+    e2e, monkeypatch, capsys, tmp_path, visible
 ):
     """benchmarks/README.md's --lanes command, as written: four lanes, GPUs
-    0-3, each with its own auto and torch.compile cache; the merged rows
-    carry their GPU and every ratio is 1.10x (its own GPU's auto)."""
+    0-3 (counted within CUDA_VISIBLE_DEVICES where it is set), each with its
+    own auto and torch.compile cache; the merged rows carry their GPU and
+    every ratio is 1.10x (its own GPU's auto)."""
     command = _lanes_command()
     specs = command.split("--lanes ")[1].split(" --")[0].split()
     asked, started = _fake_lanes(e2e, monkeypatch, tmp_path / "s", len(specs))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    physical = visible.split(",") if visible else [str(g) for g in range(4)]
     monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
     e2e.main()
 
@@ -90,7 +97,7 @@ def test_lanes_run_at_once_and_take_each_ratio_on_their_own_gpu(
     covered = [(lane["model"], n) for lane, _ in asked for n in lane["scenarios"]]
     assert sorted(covered) == sorted((m, n) for m in e2e.MODELS for n in e2e.SCENARIOS)
     assert {p.name: p.read_text() for p in started.iterdir()} == {
-        str(g): str(tmp_path / "cache" / f"gpu{g}") for g in range(len(specs))
+        physical[g]: str(tmp_path / "cache" / f"gpu{g}") for g in range(len(specs))
     }
     (json_file,) = tmp_path.glob("e2e-*.json")
     result = json.loads(json_file.read_text())
@@ -113,6 +120,7 @@ def test_lanes_run_at_once_and_take_each_ratio_on_their_own_gpu(
 def test_a_failed_lane_is_named_and_the_others_are_kept(
     e2e, monkeypatch, capsys, tmp_path
 ):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     _fake_lanes(e2e, monkeypatch, tmp_path / "s", 2, behaviour={1: "fail"})
     monkeypatch.setattr(sys, "argv", ["benchmark_turboquant_e2e.py", "--lanes",
         "Qwen3-4B:short-decode:turboquant_k8v4", "Qwen3.6-27B:mixed",

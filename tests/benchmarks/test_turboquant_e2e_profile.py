@@ -378,11 +378,18 @@ def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
         (["--lanes", "Qwen3-4B", "--quick"], "--lanes with --quick"),
         (["--lanes", "Qwen3-4B", "--scenarios", "mixed"], "--lanes with --scenarios"),
         (["--gpus", "1"], "--gpus places --lanes lanes on GPUs"),
+        (
+            ["--lanes", "Qwen3-4B", "Qwen3.6-27B", "--gpus", "0", "2"],
+            "--gpus [0, 2]: expected indices of the GPUs this process sees "
+            "(CUDA_VISIBLE_DEVICES=4,5)",
+        ),
     ],
 )
 def test_bad_arguments_are_named_before_any_engine_starts(
     e2e, monkeypatch, capsys, args, named
 ):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+
     def run_config(*a, **k):
         raise AssertionError(f"{args} started a configuration")
 
