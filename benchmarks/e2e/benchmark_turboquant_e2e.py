@@ -894,6 +894,11 @@ def profile_markdown(meta, profiles) -> str:
     return "\n".join(out) + "\n"
 
 
+def with_auto(kvs: list[str]) -> list[str]:
+    """``kvs`` with ``auto`` first where it is missing: every ratio needs it."""
+    return kvs if "auto" in kvs else ["auto", *kvs]
+
+
 def parse_lanes(specs: list[str], kvs: list[str]) -> list[dict]:
     """``MODEL[:SCENARIO,...[:KV,...]]`` per lane: its model, its scenarios
     (all when left empty) and its KV dtypes (``kvs`` when left empty; auto
@@ -927,9 +932,7 @@ def parse_lanes(specs: list[str], kvs: list[str]) -> list[dict]:
                     "stands for its ratios"
                 )
             taken[model, n] = i
-        if "auto" not in lane_kvs:
-            lane_kvs.insert(0, "auto")
-        lanes.append(dict(model=model, scenarios=names, kv=lane_kvs))
+        lanes.append(dict(model=model, scenarios=names, kv=with_auto(lane_kvs)))
     return lanes
 
 
@@ -974,9 +977,8 @@ def run_lanes(lanes: list[dict], gpus: list[int], args, out: Path, stamp: str):
         print(f"GPU {gpu}: {lane['model']} x {lane['kv']} x {lane['scenarios']}")
     rows, records = [], []
     try:
-        for lane, gpu, log, proc in procs:
+        for lane, gpu, _, proc in procs:
             rc = proc.wait()
-            log.close()
             found = sorted((root / f"gpu{gpu}").glob("e2e-*.json"))
             lane_rows = json.loads(found[-1].read_text())["rows"] if found else []
             for r in lane_rows:
@@ -1143,9 +1145,7 @@ def main():
         )
     )
     models = args.models or base["models"]
-    kvs = args.kv or base["kv"]
-    if "auto" not in kvs:
-        kvs = ["auto", *kvs]  # ratios need it
+    kvs = with_auto(args.kv or base["kv"])
     scenarios = args.scenarios or base["scenarios"]
     if lanes is not None:
         models = list(dict.fromkeys(lane["model"] for lane in lanes))
