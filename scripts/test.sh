@@ -11,6 +11,9 @@ VENV=${HYBRIDKV_VENV:-.venv}
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from another folder
+# The side steps' logs and the resolve's pytest folder, gone when the script ends.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 
 # Steps that share nothing with the ones in line but read-only files run beside them:
 # CI has two cores, every step is one process, and the resolve mostly waits on PyPI. In
@@ -22,7 +25,7 @@ declare -A step_pid step_log
 beside() {
   local name=$1
   shift
-  step_log[$name]=$(mktemp)
+  step_log[$name]=$(mktemp -p "$scratch")
   "$@" >"${step_log[$name]}" 2>&1 &
   step_pid[$name]=$!
 }
@@ -36,7 +39,7 @@ report() {
 }
 
 # The fresh-install resolve (pip --dry-run against PyPI) waits on the network.
-beside resolve "$py" -m pytest -q -p no:cacheprovider --basetemp="$(mktemp -d)" \
+beside resolve "$py" -m pytest -q -p no:cacheprovider --basetemp="$scratch/resolve" \
   tests/hybridkv/test_wheel_requires.py -k test_fresh_install_resolves_a_set_that_runs_gemma4
 # Each patch at its place: link farms of the pristine wheel, PYTHONPATH-only; the last
 # patch's place is the wheel tested below. Two at a time: once the steps in line end,

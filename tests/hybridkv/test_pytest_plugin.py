@@ -99,3 +99,33 @@ def test_full_cleanup_keeps_vllms_teardown_as_written(pytester, light):
     full = _run(pytester, "--full-cleanup")
     assert full == "FULL ['test_plain']"
     assert light == []
+
+
+REDIRECTED = """
+import os
+
+
+def test_the_stand_ins_exist_while_the_session_runs():
+    assert os.path.isfile(os.environ["VLLM_MODEL_REDIRECT_PATH"])
+    assert os.path.isdir(os.environ["HF_HUB_CACHE"])
+    made = os.environ["VLLM_MODEL_REDIRECT_PATH"], os.environ["HF_HUB_CACHE"]
+    print("STAND-INS", *made)
+"""
+
+
+def test_model_redirect_leaves_nothing_in_tmpdir(pytester, monkeypatch):
+    models = pytester.mkdir("models")
+    (models / "org" / "name").mkdir(parents=True)
+    (models / "org" / "name" / "config.json").write_text("{}")
+    tmpdir = pytester.mkdir("tmp")
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    pytester.makepyfile(test_redirected=REDIRECTED)
+    result = pytester.runpytest_subprocess(
+        "-p", "hybridkv.testing.pytest_plugin", f"--model-redirect-dir={models}", "-s"
+    )
+    result.assert_outcomes(passed=1)
+    made = next(line for line in result.outlines if "STAND-INS" in line)
+    made = made.split("STAND-INS")[1].split()
+    # Made in TMPDIR, so the check below looks where they were.
+    assert len(made) == 2 and all(p.startswith(str(tmpdir)) for p in made), made
+    assert sorted(p.name for p in tmpdir.iterdir()) == []
