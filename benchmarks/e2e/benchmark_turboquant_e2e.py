@@ -852,6 +852,13 @@ def write_results(out, stamp, meta, rows, profiles, start):
         os.replace(tmp, final)
 
 
+def finish_results(out, stamp, meta, rows, profiles, start):
+    """The last write of a run's results, and its table printed."""
+    write_results(out, stamp, meta, rows, profiles, start)
+    print((out / f"e2e-{stamp}.md").read_text())
+    print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
+
+
 def profile_markdown(meta, profiles) -> str:
     """Per-step table: microseconds per output step, and the change vs auto."""
     cols = ["attention", "kv_store", "gemm", "other", "gpu", "gap", "wall"]
@@ -1185,9 +1192,7 @@ def main():
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     if lanes is not None:
         rows, meta["lanes"] = run_lanes(lanes, gpus, args, out, stamp)
-        write_results(out, stamp, meta, rows, [], start)
-        print((out / f"e2e-{stamp}.md").read_text())
-        print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s")
+        finish_results(out, stamp, meta, rows, [], start)
         failed = [lane["gpu"] for lane in meta["lanes"] if lane["rc"] != 0]
         if failed:
             sys.exit(
@@ -1231,9 +1236,7 @@ def main():
             if "scenarios" not in row:
                 print(row["error_tail"][-1500:], flush=True)
             write_results(out, stamp, meta, rows, profiles, start)
-    write_results(out, stamp, meta, rows, profiles, start)
-    print((out / f"e2e-{stamp}.md").read_text())
-    print(f"wrote {out}/e2e-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
+    finish_results(out, stamp, meta, rows, profiles, start)
 
 
 if __name__ == "__main__":

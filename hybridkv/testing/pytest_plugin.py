@@ -64,13 +64,7 @@ _UPSTREAM_CLEANUP = "cleanup_fixture"
 _LIGHTENED = pytest.StashKey[bool]()
 
 # Filled by _setup(); read by hooks and fixtures.
-_state: dict = {
-    "done": False,
-    "cuda": False,
-    "interpret_error": None,
-    "temp": [],
-    "owner": None,
-}
+_state: dict = {"done": False, "cuda": False, "interpret_error": None}
 
 
 def pytest_addoption(parser):
@@ -132,22 +126,6 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
 
 
-def pytest_unconfigure(config):
-    # The redirect's map and stand-in hub cache live as long as the session:
-    # left behind, every run of the upstream tests adds two more to TMPDIR.
-    # Only the session that made them removes them (pytester runs nest).
-    import shutil
-
-    if config is not _state["owner"]:
-        return
-    for path in _state["temp"]:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.exists(path):
-            os.unlink(path)
-    _state["temp"].clear()
-
-
 def _setup(config) -> None:
     if _state["done"]:
         return
@@ -169,8 +147,7 @@ def _setup(config) -> None:
 
     redirect_dir = getattr(opts, "model_redirect_dir", None)
     if redirect_dir:
-        _state["owner"] = config
-        _redirect_models(redirect_dir)
+        _redirect_models(config, redirect_dir)
 
     import torch
 
@@ -196,9 +173,13 @@ def _setup(config) -> None:
         torch.accelerator.empty_cache = lambda: None
 
 
-def _redirect_models(root: str) -> None:
-    """Point vLLM's model redirect at every DIR/<org>/<name>/config.json."""
+def _redirect_models(config, root: str) -> None:
+    """Point vLLM's model redirect at every DIR/<org>/<name>/config.json.
+
+    The map and the stand-in hub cache last as long as ``config``'s session:
+    left behind, every run of the upstream tests added two more to TMPDIR."""
     import json
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -208,7 +189,7 @@ def _redirect_models(root: str) -> None:
         for cfg in sorted(base.glob("*/*/config.json"))
     }
     fd, path = tempfile.mkstemp(prefix="hybridkv-model-redirect-", suffix=".json")
-    _state["temp"].append(path)
+    config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
     with os.fdopen(fd, "w") as f:
         json.dump(mapping, f)
     os.environ["VLLM_MODEL_REDIRECT_PATH"] = path
@@ -216,7 +197,7 @@ def _redirect_models(root: str) -> None:
     # with HF_HUB_OFFLINE it asks the hub cache (snapshot_download,
     # local_files_only). A cache holding the same directories answers it.
     cache = Path(tempfile.mkdtemp(prefix="hybridkv-hub-cache-"))
-    _state["temp"].append(str(cache))
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     for repo_id, folder in mapping.items():
         repo = cache / ("models--" + repo_id.replace("/", "--"))
         snapshot = repo / "snapshots" / _STAND_IN_COMMIT
