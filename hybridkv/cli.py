@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from importlib import metadata
 from pathlib import Path
 
 from hybridkv import base as base_mod
+from hybridkv.checkout import follow_current_checkout
 from hybridkv.fetch import fetch, unpack
+from hybridkv.patchfile import PatchFormatError
 from hybridkv.series import load_series, static_problems
 
 DEFAULT_DEV = base_mod.cache_dir() / "dev"
@@ -64,12 +67,25 @@ def cmd_check(args, write: bool = False) -> int:
     series = load_series()
     root = _target(args)
     pl = tree.plan(root, series)
-    rc = tree.report(pl, verbose=args.verbose)
-    if write and rc == 0:
-        tree.write(pl, series, base_mod.load_base())
-        print(f"wrote {len(pl.files)} patched files, {len(pl.overlay)} overlay files "
-              f"and {tree.MANIFEST} into {root}")
+    fix = _apply_command(args)
+    if not (write and (pl.ok or pl.repairable)):
+        return tree.report(pl, verbose=args.verbose, fix=fix)
+    # What an interrupted apply left is repaired by writing the series again
+    # (hybridkv.treestate says why that is safe); the report follows the write.
+    tree.write(pl, series, base_mod.load_base())
+    rc = tree.report(pl, verbose=args.verbose, fix=fix, repaired=not pl.ok)
+    print(f"wrote {len(pl.files)} patched files, {len(pl.overlay)} overlay files "
+          f"and {tree.MANIFEST} into {root}")
     return rc
+
+
+def _apply_command(args) -> str:
+    """The `apply` of the tree this command looked at, as the user would type it."""
+    if args.installed:
+        return "hybridkv apply --installed"
+    if args.tree:
+        return f"hybridkv apply --tree {shlex.quote(str(Path(args.tree).resolve()))}"
+    return "hybridkv apply"
 
 
 def cmd_wheel(args) -> int:
@@ -160,6 +176,14 @@ def cmd_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        # Run as a program (the console script, `python -m hybridkv`): work on
+        # the checkout the current directory is in (hybridkv.checkout says why).
+        try:
+            follow_current_checkout(sys.argv[1:])
+        except SystemExit as e:
+            print(f"hybridkv: {e.code}", file=sys.stderr)
+            return 2
     ap = argparse.ArgumentParser(prog="hybridkv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -204,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         args.pytest_args = pytest_args
     try:
         return args.func(args)
+    except PatchFormatError as e:
+        # A damaged patch fails the series' validation, as it does in `check`.
+        print(f"hybridkv: {e}\nFAILED VALIDATION; `hybridkv check` lists every problem",
+              file=sys.stderr)
+        return 1
     except SystemExit as e:
         if isinstance(e.code, str):
             print(f"hybridkv: {e.code}", file=sys.stderr)

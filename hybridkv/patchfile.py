@@ -8,6 +8,7 @@ ambiguous anchor and fails, as in Genesis' text patcher.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,45 +90,102 @@ def parse(path: Path, name: str | None = None) -> Patch:
             raise PatchFormatError(f"{path}: header line {i + 1} is not 'Field: value': {head[i]!r}")
         i += 1
     body = "\n".join(head[i:]).strip("\n")
-    return Patch(name or path.name, fields, body, _parse_diff(path, diff), text)
+    return Patch(name or path.name, fields, body, _parse_diff(path, diff, sep + 2), text)
 
 
-def _parse_diff(path: Path, lines: list[str]) -> list[FileDiff]:
+def _parse_diff(path: Path, lines: list[str], first: int) -> list[FileDiff]:
+    """The file diffs of ``lines``, the patch file's lines from number ``first`` on."""
     diffs: list[FileDiff] = []
     cur: FileDiff | None = None
-    hunk: Hunk | None = None
-    remaining = [0, 0]
-    for n, line in enumerate(lines, 1):
-        if hunk is not None and (remaining[0] > 0 or remaining[1] > 0):
-            tag, body = (line[:1] or " "), line[1:]
+    body: _HunkBody | None = None
+    for n, line in enumerate(lines, first):
+        if body is not None and not body.complete:
+            if line.startswith(("diff --git ", "@@ ")):
+                raise PatchFormatError(body.short(f"line {n} ({line!r})"))
+            tag = line[:1] or " "
             if tag not in " +-":
-                raise PatchFormatError(f"{path}: diff line {n}: bad hunk line {line!r}")
-            hunk.lines.append((tag, body))
-            if tag in " -":
-                remaining[0] -= 1
-            if tag in " +":
-                remaining[1] -= 1
+                raise PatchFormatError(f"{path}: line {n}: bad hunk line {line!r}")
+            body.add(tag, line[1:], n, line)
             continue
         if line.startswith("diff --git "):
-            cur, hunk = None, None
+            cur, body = None, None
         elif line.startswith("--- "):
             new_file = line[4:] == "/dev/null"
             cur = FileDiff(path="", hunks=[], is_new=new_file)
         elif line.startswith("+++ ") and cur is not None:
             target = line[4:]
             if not target.startswith("b/"):
-                raise PatchFormatError(f"{path}: diff line {n}: expected 'b/' prefix: {line!r}")
+                raise PatchFormatError(f"{path}: line {n}: expected 'b/' prefix: {line!r}")
             cur.path = target[2:]
             diffs.append(cur)
         elif (m := HUNK_RE.match(line)) and cur is not None:
             hunk = Hunk(old_start=int(m.group(1)), new_start=int(m.group(3)), lines=[])
-            remaining = [int(m.group(2) or 1), int(m.group(4) or 1)]
             cur.hunks.append(hunk)
+            body = _HunkBody(path, cur.path, len(cur.hunks), line, n, hunk,
+                             int(m.group(2) or 1), int(m.group(4) or 1))
         elif line.startswith("\\ No newline"):
-            raise PatchFormatError(f"{path}: diff line {n}: files must end with a newline")
+            raise PatchFormatError(f"{path}: line {n}: files must end with a newline")
+        elif body is not None and line[:1] in " +-":
+            # Outside a hunk only file headers start so: this line belongs to
+            # the hunk above, whose header counts fewer lines than it holds.
+            raise PatchFormatError(body.long(f"line {n} ({line!r})"))
+    if body is not None and not body.complete:
+        raise PatchFormatError(body.short("the end of the patch"))
     if not diffs:
         raise PatchFormatError(f"{path}: no file diffs after the '---' line")
     return diffs
+
+
+@dataclass
+class _HunkBody:
+    """A hunk being read, against the line counts its @@ header promises.
+
+    Without this count a patch file cut short (or a hunk edited by hand) reads
+    as a shorter hunk that still applies, and the lines it lost go missing
+    from the tree without a word.
+    """
+
+    patch: Path
+    file: str
+    number: int
+    header: str
+    at: int
+    hunk: Hunk
+    old_promised: int
+    new_promised: int
+    old: int = 0
+    new: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.old >= self.old_promised and self.new >= self.new_promised
+
+    def add(self, tag: str, text: str, n: int, line: str) -> None:
+        old, new = self.old + (tag in " -"), self.new + (tag in " +")
+        if old > self.old_promised or new > self.new_promised:
+            # A context line when only added (or only removed) lines remain.
+            raise PatchFormatError(self.long(f"line {n} ({line!r})"))
+        self.old, self.new = old, new
+        self.hunk.lines.append((tag, text))
+
+    def _says(self) -> str:
+        head = self.header.split(" @@")[0] + " @@"
+        return (f"{self.patch}: {self.file} hunk {self.number} ({head}, line {self.at}): "
+                f"the header promises {self.old_promised} old and {self.new_promised} new "
+                f"lines, the body has {self.old} old and {self.new} new lines")
+
+    def short(self, where: str) -> str:
+        return (f"{self._says()} before {where}. A hunk must hold exactly the lines its "
+                f"header counts; the patch file was cut short or edited by hand. {self._fix}")
+
+    def long(self, where: str) -> str:
+        return (f"{self._says()}, then {where} still belongs to it. A hunk must hold "
+                f"exactly the lines its header counts. {self._fix}")
+
+    @property
+    def _fix(self) -> str:
+        return (f"Restore the file (git checkout -- {shlex.quote(str(self.patch))}) or "
+                "regenerate it from the dev tree (hybridkv refresh).")
 
 
 def read_lines(path: Path) -> list[str]:

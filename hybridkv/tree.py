@@ -23,8 +23,14 @@ from pathlib import Path
 from hybridkv.base import Base, load_base
 from hybridkv.patchfile import Patch, apply_hunks, join_lines, locate, read_lines
 from hybridkv.series import Series
-
-MANIFEST = "vllm/_hybridkv_manifest.json"
+from hybridkv.treestate import (
+    MANIFEST,
+    REPAIRABLE,
+    installed_state,
+    manifest,
+    plan_overlay,
+    reason_of,
+)
 
 STATUS_WIDTH = 16
 
@@ -59,6 +65,13 @@ class Plan:
     @property
     def ok(self) -> bool:
         return not self.problems and all(r.status != "FAILED" for r in self.results)
+
+    @property
+    def repairable(self) -> bool:
+        """Not ok, and every failure is one that writing the series again repairs."""
+        reasons = {why for r in self.results for why in r.reasons}
+        reasons |= {reason_of(p) for p in self.problems}
+        return not self.ok and reasons <= REPAIRABLE
 
 
 def installed_root(search_path: list[str] | None = None) -> Path:
@@ -198,13 +211,18 @@ def plan(root: Path, series: Series, base: Base | None = None) -> Plan:
         if states == {"applied"}:
             res.status = "UPSTREAMED" if res.patch.fields.get("Applied-Upstream") else "ALREADY-APPLIED"
         elif "applied" in states:
-            res.fail("partially-applied", "some files of this patch are patched, others are not")
-            continue
+            # Kept in the plan: completing the files not yet patched is what
+            # a fresh apply writes there (see hybridkv.treestate).
+            paths = list(dict.fromkeys(d.path for d in res.patch.diffs))
+            res.fail("partially-applied",
+                     *(f"{p}: patched" for p in paths if p not in new_contents),
+                     *(f"{p}: not patched (apply patches it)"
+                       for p in paths if p in new_contents))
         contents.update(new_contents)
         changed.update(new_contents)
-    overlay = _plan_overlay(root, series, results)
+    overlay = plan_overlay(root, series, results)
     pl = Plan(root, version, results, {p: contents[p] for p in changed}, overlay)
-    pl.problems = _check_installed_state(pl, series, base)
+    pl.problems = installed_state(root, results, series, base)
     return pl
 
 
@@ -218,76 +236,6 @@ def _explain(lines: list[str], path: str, hunks) -> tuple[str, ...]:
             lines = lines[:r.at] + h.new + lines[r.at + len(h.old):]
             offset += len(h.new) - len(h.old)
     return ("context-mismatch", f"{path}: hunks apply only partly")
-
-
-def _plan_overlay(root: Path, series: Series, results: list[PatchResult]) -> dict[str, bytes]:
-    ours = set()
-    m = root / MANIFEST
-    if m.exists():
-        ours = set(json.loads(m.read_text()).get("overlay", []))
-    overlay = {}
-    for res in results:
-        applied = res.status in ("ALREADY-APPLIED", "UPSTREAMED")
-        for rel in res.patch.listed("Overlay"):
-            data = (series.repo / rel).read_bytes()
-            target = root / rel
-            if applied and not target.exists():
-                # Its hooks are in place and import this module.
-                res.fail("overlay-missing", f"{rel}: not in {root}; run `hybridkv apply` again")
-            elif applied and target.read_bytes() != data:
-                res.fail("overlay-modified",
-                         f"{rel}: sha256 {hashlib.sha256(target.read_bytes()).hexdigest()}, "
-                         f"the series ships {hashlib.sha256(data).hexdigest()}")
-            elif target.exists() and rel not in ours and target.read_bytes() != data:
-                res.fail("overlay-shadows-upstream",
-                         f"{rel}: vLLM already has this file; an overlay must be a new file")
-            overlay[rel] = data
-    return overlay
-
-
-def _check_installed_state(pl: Plan, series: Series, base: Base) -> list[str]:
-    """Overlay files and manifest of a tree the series was applied to."""
-    m = pl.root / MANIFEST
-    applied = [r for r in pl.results if r.status in ("ALREADY-APPLIED", "UPSTREAMED")]
-    if not m.exists():
-        if applied and len(applied) == len(pl.results):
-            return [f"manifest-missing: {MANIFEST}: not in {pl.root}, though every patch "
-                    "is applied (an interrupted apply?); run `hybridkv apply` again"]
-        return []
-    try:
-        recorded = json.loads(m.read_text())
-    except ValueError as e:
-        return [f"manifest-unreadable: {MANIFEST}: {e}; run `hybridkv apply` again"]
-    problems = []
-    shipped = set(series.overlay_files())
-    for rel in sorted(set(recorded.get("overlay", [])) - shipped):
-        if (pl.root / rel).exists():
-            problems.append(f"overlay-extra: {rel}: an earlier release's overlay file that "
-                            "this series does not ship; reinstall vLLM from the new wheel")
-    if len(applied) == len(pl.results) and recorded != manifest(series, base):
-        problems.append(f"manifest-stale: {MANIFEST} does not describe this series "
-                        f"(it says release {recorded.get('release')}, patches "
-                        f"{[p.get('name') for p in recorded.get('patches', [])]}); "
-                        "run `hybridkv apply` again")
-    return problems
-
-
-def manifest(series: Series, base: Base) -> dict:
-    return {
-        "base": base.version,
-        "release": base.release,
-        "version": base.label,
-        "patches": [
-            {
-                "name": p.name,
-                "subject": p.subject,
-                "bug": p.fields.get("Bug", ""),
-                "fixes": re.findall(r"^Fixes (.+)$", p.body, re.M),
-            }
-            for p in series.patches
-        ],
-        "overlay": sorted(series.overlay_files()),
-    }
 
 
 def rendered_files(pl: Plan, series: Series, base: Base) -> dict[str, bytes]:
@@ -380,19 +328,32 @@ def _updated_record(root: Path, files: dict[str, bytes]) -> tuple[str, bytes] | 
     return str((d / "RECORD").relative_to(root)), buf.getvalue().encode()
 
 
-def report(pl: Plan, verbose: bool = False, out=print) -> int:
+def report(pl: Plan, verbose: bool = False, out=print, fix: str = "hybridkv apply",
+           repaired: bool = False) -> int:
+    """One line per patch and per tree-wide problem, then the verdict.
+
+    ``fix`` is the command that repairs what is repairable (the apply of this
+    same tree); ``repaired``: that apply has just written the series, so the
+    repairable failures are shown as REPAIRED and the tree passes.
+    """
     for res in pl.results:
         reason = f"  ({', '.join(dict.fromkeys(res.reasons))})" if res.reasons else ""
-        out(f"{res.status:<{STATUS_WIDTH}} {res.patch.name}{reason}")
+        status = "REPAIRED" if repaired and res.status == "FAILED" else res.status
+        out(f"{status:<{STATUS_WIDTH}} {res.patch.name}{reason}")
         if res.status == "FAILED" or verbose:
             for d in res.details:
                 out(f"{'':<{STATUS_WIDTH}}   {d}")
             if verbose:
                 out(f"{'':<{STATUS_WIDTH}}   {res.patch.subject}")
     for problem in pl.problems:
-        out(f"{'FAILED':<{STATUS_WIDTH}} {problem}")
-    if pl.ok:
+        out(f"{'REPAIRED' if repaired else 'FAILED':<{STATUS_WIDTH}} {problem}")
+    if pl.ok or repaired:
         out(f"Passed validation ({len(pl.results)} patches) on vLLM {pl.version} at {pl.root}")
         return 0
+    if pl.repairable:
+        out(f"To repair: {fix}")
+    elif any(reason_of(p) in REPAIRABLE for p in pl.problems) or any(
+            set(r.reasons) & REPAIRABLE for r in pl.results):
+        out(f"After the fixes named above, `{fix}` repairs the rest.")
     out("FAILED VALIDATION; see above")
     return 1

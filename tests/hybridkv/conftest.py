@@ -35,3 +35,33 @@ def small_tree(tmp_path, pristine_root, series) -> Path:
     info = next(pristine_root.glob("vllm-*.dist-info"))
     shutil.copytree(info, root / info.name)
     return root
+
+
+# What a checkout needs for the series tool to run in it: its code, its series,
+# the files the series owns and the pins it reads.
+CHECKOUT_PARTS = (
+    "hybridkv",
+    "patches",
+    "requirements",
+    "vllm",
+    "tests",
+    "pyproject.toml",
+)
+
+
+@pytest.fixture
+def repo_copy(tmp_path, pristine_root) -> Path:
+    """A copy of this checkout in tmp_path (another clone, as far as the tool
+    can tell), sharing this checkout's download cache through HYBRIDKV_CACHE."""
+    from hybridkv.base import REPO
+
+    copy = tmp_path / "clone"
+    for part in CHECKOUT_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(
+                src, copy / part, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copyfile(src, copy / part)
+    return copy

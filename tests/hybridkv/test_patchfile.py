@@ -75,3 +75,36 @@ def test_a_patch_without_header_separator_is_rejected(tmp_path):
     p.write_text(PATCH.replace("---\n", ""))
     with pytest.raises(PatchFormatError, match="no '---' line"):
         parse(p)
+
+
+def test_a_hunk_cut_short_fails_naming_file_hunk_and_counts(tmp_path):
+    """The patch file's last line removed: the hunk's header still promises it."""
+    p = tmp_path / "0001-x.patch"
+    p.write_text(PATCH[: PATCH.rindex(" c = 3\n")])
+    with pytest.raises(PatchFormatError) as exc:
+        parse(p)
+    msg = str(exc.value)
+    assert "x.py hunk 1 (@@ -2,3 +2,3 @@" in msg
+    assert "promises 3 old and 3 new lines" in msg
+    assert "has 2 old and 2 new lines before the end of the patch" in msg
+
+
+def test_a_hunk_cut_short_before_the_next_file_fails_by_name(tmp_path):
+    second = "diff --git a/y.py b/y.py\n--- a/y.py\n+++ b/y.py\n@@ -1 +1 @@\n-y\n+why\n"
+    p = tmp_path / "0001-x.patch"
+    p.write_text(PATCH[: PATCH.rindex(" c = 3\n")] + second)
+    with pytest.raises(PatchFormatError) as exc:
+        parse(p)
+    msg = str(exc.value)
+    assert "x.py hunk 1 (@@ -2,3 +2,3 @@" in msg and "promises 3 old and 3 new" in msg
+    assert "before line 18 ('diff --git a/y.py b/y.py')" in msg
+
+
+def test_a_hunk_longer_than_its_header_fails_by_name(tmp_path):
+    p = tmp_path / "0001-x.patch"
+    p.write_text(PATCH + "+d = 4\n")
+    with pytest.raises(PatchFormatError) as exc:
+        parse(p)
+    msg = str(exc.value)
+    assert "x.py hunk 1 (@@ -2,3 +2,3 @@" in msg and "promises 3 old and 3 new" in msg
+    assert "then line 19 ('+d = 4') still belongs to it" in msg

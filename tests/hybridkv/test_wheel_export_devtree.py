@@ -9,12 +9,13 @@ import re
 import shutil
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from hybridkv.base import REPO, downloads_dir, load_base
 from hybridkv.devtree import dev, refresh
-from hybridkv.export import dependencies, pr_description, pr_diff
+from hybridkv.export import dependencies, own_diff, pr_description
 from hybridkv.series import load_series, static_problems
 from hybridkv.wheel import build
 
@@ -51,9 +52,11 @@ def test_wheel_carries_the_label_and_a_true_record(patched_wheel):
         assert "vllm/_hybridkv_manifest.json" in recorded
 
 
-def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
+def test_each_own_diff_applies_once_its_dependencies_landed(
+    tmp_path, pristine_root, series
+):
     for patch in series.patches:
-        diff = pr_diff(patch, series, pristine_root)
+        diff = own_diff(patch, series, pristine_root)
         tree = tmp_path / patch.name.replace("/", "_")
         stack = dependencies(patch, series)
         for p in [*stack, patch]:
@@ -61,17 +64,21 @@ def test_export_applies_to_pristine_on_its_own(tmp_path, pristine_root, series):
                 (tree / d.path).parent.mkdir(parents=True, exist_ok=True)
                 if not (tree / d.path).exists():
                     shutil.copyfile(pristine_root / d.path, tree / d.path)
-        # A stacked PR applies once the PRs it names in Depends: have landed.
+        # A stacked PR's own commit applies once the PRs it names in Depends:
+        # have landed.
         for dep in stack:
-            (tree / "dep.diff").write_text(pr_diff(dep, series, pristine_root))
+            (tree / "dep.diff").write_text(own_diff(dep, series, pristine_root))
             subprocess.run(["git", "apply", "dep.diff"], cwd=tree, check=True)
         (tree / "pr.diff").write_text(diff)
         subprocess.run(["git", "apply", "--check", "pr.diff"], cwd=tree, check=True)
+        desc = pr_description(patch, series)
         if stack:
-            assert "Depends on (land first)" in pr_description(patch)
+            assert "Depends on (land first)" in desc
+            stem = Path(patch.name).stem
+            assert f"{stem}.diff is this branch against vLLM 0.20.2" in desc
+            assert all(dep.name in desc for dep in stack)
         for rel in patch.listed("Overlay") + patch.listed("Tests"):
             assert f"+++ b/{rel}" in diff
-        desc = pr_description(patch)
         assert desc.startswith(f"# {patch.subject}\n")
         # A patch with an upstream bug (DEP-3 `Bug:`) names it the way vLLM PRs
         # do; one that fixes only a hybridkv issue (e.g. the store speed-up, the
@@ -138,3 +145,34 @@ def test_refresh_refuses_a_commit_that_edits_another_patchs_file(
         SystemExit, match=rf"changes {overlay}, which an earlier commit added"
     ):
         refresh(tmp_path / "dev", copy, log=lambda *_: None)
+
+
+def test_every_exported_diff_applies_to_pristine_alone(tmp_path, small_tree, series):
+    """`hybridkv export all`: each .diff is what its pull request shows against
+    vLLM 0.20.2, so it applies there on its own, with or without Depends:."""
+    from hybridkv.export import export
+
+    out = tmp_path / "export"
+    for patch in series.patches:
+        export(patch, series, out, log=lambda *_: None)
+    failed = {}
+    for patch in series.patches:
+        diff = out / f"{Path(patch.name).stem}.diff"
+        for cmd in (
+            ["git", "apply", "--check"],
+            ["patch", "-p1", "--dry-run", "-s", "-i"],
+        ):
+            res = subprocess.run(
+                [*cmd, str(diff)], cwd=small_tree, capture_output=True, text=True
+            )
+            if res.returncode:
+                failed[f"{cmd[0]} {diff.name}"] = (res.stdout + res.stderr)[:200]
+        stack = dependencies(patch, series)
+        own = out / f"{Path(patch.name).stem}.own.diff"
+        assert own.exists() == bool(stack), patch.name
+        md = diff.with_suffix(".md").read_text()
+        assert all(p.name in md for p in stack), patch.name
+        for p in [*stack, patch]:
+            for rel in p.listed("Overlay") + p.listed("Tests"):
+                assert f"+++ b/{rel}\n" in diff.read_text(), (patch.name, rel)
+    assert sorted(failed) == [], "\n".join(f"{k}: {v}" for k, v in failed.items())
