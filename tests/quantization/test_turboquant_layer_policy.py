@@ -171,3 +171,23 @@ def test_dtype_map_is_logged_once(tmp_path, caplog_vllm):
     text = caplog_vllm.text
     assert text.count("KV cache dtype per attention layer") == 1
     assert "model.layers.5" in text and "layer 0 in skip list" in text
+
+
+def test_serve_help_names_every_kind_of_skip_entry(monkeypatch):
+    """``vllm serve --help=all`` documents ``--kv-cache-dtype-skip-layers``
+    from CacheConfig's field docstring; 0.20.2's named only layer indices and
+    attention types, not ``boundary:N``, ``draft`` or the defaults."""
+    from vllm.config import CacheConfig
+    from vllm.engine import arg_utils
+
+    # Help texts are read only when the command line asks for help.
+    monkeypatch.setattr(arg_utils, "NEEDS_HELP", True)
+    arg_utils._compute_kwargs.cache_clear()
+    try:
+        kwargs = arg_utils.get_kwargs(CacheConfig)
+    finally:
+        arg_utils._compute_kwargs.cache_clear()
+    text = " ".join(kwargs["kv_cache_dtype_skip_layers"]["help"].split())
+    for entry in ("'sliding_window'", "'draft'", "'boundary:N'"):
+        assert entry in text, text
+    assert "default 2 when every layer is attention, 0 on GDN/Mamba hybrids" in text

@@ -70,9 +70,13 @@ def plan(model: str, **kw):
     return report
 
 
-def _padding_ok(report):
+def _padding_ok(report, limit: float = MAX_PADDING):
+    """Page padding under ``limit``; empty layer slots (a drafter's group
+    size, patch 0009; an MTP layer) come on top, as the engine counts them."""
     assert report.error is None, report.error
-    assert report.padding_fraction <= MAX_PADDING, report.padding_fraction
+    slots = len(report.groups) * max(g["layers"] for g in report.groups)
+    page_padding = report.padding_fraction - report.padding_layers / slots
+    assert page_padding <= limit, report.padding_fraction
 
 
 # Qwen3.6-27B int4 on a 24 GB card (report #41560's command line).
@@ -111,7 +115,7 @@ def test_qwen3_6_27b_boundary_layers_and_mtp(models):
     assert report.error is None, report.error
     # Layers 3 and 63 at bf16; 14 main layers and the MTP layer quantized.
     assert report.layer_dtypes == {"auto": 2, "turboquant_4bit_nc": 15}
-    assert report.padding_fraction <= 0.03
+    _padding_ok(report, 0.03)
 
 
 def test_qwen3_coder_next_with_locooperator_draft(models):

@@ -5,17 +5,31 @@
 
 ``vllm.entrypoints.cli.main`` hands ``vllm kv-capacity ...`` to :func:`main`
 before it imports the serving stack, so planning works wherever vLLM imports,
-GPU or not. Exit status: 0 planned, 1 the engine would refuse the
-configuration, 2 bad input.
+GPU or not. Building the parser and printing ``--help`` import nothing of the
+engine: the planner module is imported when a plan is asked for.
+
+Exit status (one per kind of outcome; README has the table): 0 planned, 1 the
+engine would refuse the configuration, 2 bad input (a command-line value, or
+a config.json value no model the engine builds has), 3 a model file that
+cannot be read, 4 a bug of the planner. With ``--json``, stdout is exactly one
+JSON document whatever the outcome, and carries ``exit_status``.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
+import traceback
 from dataclasses import asdict, fields
 
 from vllm.entrypoints.cli.types import CLISubcommand
+
+PLANNED = 0
+ENGINE_REFUSES = 1
+BAD_INPUT = 2
+UNREADABLE = 3
+PLANNER_BUG = 4
 
 DESCRIPTION = (
     "Plan KV-cache groups, page sizes, padding, KV tokens, concurrency and the "
@@ -88,8 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="share of each GPU's memory vLLM may use, in (0, 1] (default 0.9)",
+        default=None,
+        help="share of each GPU's memory vLLM may use, in (0, 1] (default: "
+        "vLLM's, 0.92)",
     )
     p.add_argument(
         "--weights-gib",
@@ -100,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--overhead-gib",
         type=float,
-        default=1.0,
+        default=None,
         help="activations, CUDA graphs and NCCL buffers per GPU (default 1.0)",
     )
     p.add_argument(
@@ -110,9 +125,39 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default 9.0, H100; e.g. 8.9, 12.0)",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="as `vllm serve --max-num-batched-tokens` (default: the engine's "
+        "for the GPU, by --gpu-memory-gib, --device-capability and "
+        "--usage-context); sliding-window layers hold window - 1 + this many "
+        "tokens per request",
+    )
+    p.add_argument(
+        "--usage-context",
+        choices=("serve", "llm"),
+        default="serve",
+        help="whose defaults to plan: `vllm serve` (default) or the Python LLM "
+        "class; they differ in max_num_batched_tokens",
+    )
+    p.add_argument(
+        "--mamba-cache-dtype",
+        default="auto",
+        help="as `vllm serve --mamba-cache-dtype`: GDN/Mamba state dtype "
+        "(auto, float32, float16)",
+    )
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="as `vllm serve --mamba-ssm-cache-dtype`: GDN/Mamba SSM (temporal) "
+        "state dtype (auto: the model's or --mamba-cache-dtype)",
+    )
+    p.add_argument(
         "--pristine",
         action="store_true",
-        help="plan with upstream 0.20.2's rules (run against an unpatched install)",
+        help="plan with upstream 0.20.2's rules: only against an unpatched "
+        "install (refused on a patched one, whose engine plans with the "
+        "series' rules)",
     )
     p.add_argument(
         "--json",
@@ -137,35 +182,85 @@ def _logs_to_stderr() -> None:
             handler.setStream(sys.stderr)
 
 
+def _fail(args: argparse.Namespace, message: str, status: int, kind: str) -> int:
+    print(f"vllm kv-capacity: error: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(_error_document(message, status, kind)))
+    return status
+
+
+def _error_document(message: str, status: int, kind: str) -> dict:
+    return {
+        "error": message,
+        "error_type": kind,
+        "input_error": status in (BAD_INPUT, UNREADABLE),
+        "exit_status": status,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     _logs_to_stderr()
-    from vllm.v1.core.kv_cache_capacity import (
-        CapacityInputError,
-        check_request,
-        format_report,
-        plan_capacity,
-        use_planning_platform,
-    )
+    from vllm.v1.core import kv_cache_capacity as capacity
 
     try:
-        request = request_from_args(args)
-        check_request(request)
-        use_planning_platform()
-        report = plan_capacity(request)
-    except CapacityInputError as e:
-        print(f"vllm kv-capacity: error: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"error": str(e), "input_error": True}))
-        return 2
+        # stdout carries the report alone: whatever else prints goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            report = capacity.plan_capacity(request_from_args(args))
+    except capacity.CapacityInputError as e:
+        return _fail(args, str(e), e.exit_status, e.kind)
+    except OSError as e:
+        # A file the engine reads besides config.json.
+        return _fail(
+            args,
+            f"cannot read {e.filename or 'a model file'}: {e.strerror or e}. Make "
+            "the model directory readable by this user.",
+            UNREADABLE,
+            "unreadable",
+        )
+    except Exception as e:
+        traceback.print_exc()
+        return _fail(
+            args,
+            f"the planner failed: {type(e).__name__}: {e}. This is a bug of the "
+            "planner, not a finding about the configuration; please report it "
+            "with the command line.",
+            PLANNER_BUG,
+            "planner_bug",
+        )
+    status = ENGINE_REFUSES if report.fails else PLANNED
     if args.json:
-        print(json.dumps(asdict(report)))
+        document = asdict(report)
+        document["error_type"] = "engine_refuses" if report.fails else None
+        document["exit_status"] = status
+        print(json.dumps(document, allow_nan=False))
     else:
-        print(format_report(report))
-    return 1 if report.fails else 0
+        print(capacity.format_report(report))
+    return status
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose usage errors are also one JSON document on stdout when
+    --json was asked for."""
+
+    json_requested = False
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = sys.argv[1:] if args is None else list(args)
+        # argparse takes any unambiguous prefix of an option (--js).
+        self.json_requested = any(
+            a.startswith("--j") and "--json".startswith(a) for a in argv
+        )
+        return super().parse_args(argv, namespace)
+
+    def error(self, message: str):  # type: ignore[override]
+        if self.json_requested:
+            print(json.dumps(_error_document(message, BAD_INPUT, "usage")))
+        self.print_usage(sys.stderr)
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 def make_parser(prog: str = "vllm kv-capacity") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, usage=USAGE)
+    parser = _ArgumentParser(prog=prog, description=DESCRIPTION, usage=USAGE)
     return add_arguments(parser)
 
 

@@ -4,32 +4,43 @@
 
 ``plan_capacity(CapacityRequest(...))`` returns a :class:`CapacityReport`;
 ``vllm kv-capacity`` (vllm/entrypoints/cli/kv_capacity.py) is its command line.
+Both run on any host: without a GPU, the planner plans for CUDA on vLLM's CPU
+platform (``use_planning_platform``), which ``plan_capacity`` sets up itself.
 
 The config goes through ``EngineArgs.create_engine_config`` (the same checks,
-skip lists and cache settings as ``vllm serve``); each layer's KV-cache spec is
-built by ``Attention.get_kv_cache_spec`` / ``MambaSpec`` from the layer
-geometry in the HF config; block sizes come from the hybrid page planner and
-the groups, page sizes and block counts from ``get_kv_cache_configs``. Given
-the same KV-cache memory (``kv_cache_memory_bytes``), the token count equals
-the engine's "GPU KV cache size" line. The attention backend of each layer
-kind is what CUDA's own selection answers for the requested compute
-capability.
+skip lists, cache settings and scheduler defaults as ``vllm serve``); each
+layer's KV-cache spec is built by ``Attention.get_kv_cache_spec`` /
+``MambaSpec`` from the layer geometry in the HF config; block sizes come from
+the hybrid page planner and the groups, page sizes and block counts from
+``get_kv_cache_configs``. Given the same KV-cache memory
+(``kv_cache_memory_bytes``), the token count equals the engine's "GPU KV cache
+size" line. The attention backend of each layer kind is what CUDA's own
+selection answers for the requested compute capability.
 
 Inputs the engine would refuse later (at model load, or never: a value that
-describes no GPU) raise :class:`CapacityInputError` naming the value, the rule
-and the fix. A configuration the engine refuses during planning is a report
-with ``error`` set; any other exception is a bug of the planner and propagates.
+describes no GPU, a geometry no model has, an option that would change
+nothing) raise :class:`CapacityInputError` naming the value, the rule and the
+fix; a model file that exists but cannot be read raises
+:class:`CapacityReadError`. A configuration the engine refuses during planning
+is a report with ``error`` set; any other exception is a bug of the planner
+and propagates.
 
 This module only uses APIs that upstream vLLM 0.20.2 also has, plus the
-hybridkv planner when present, so it can also be run against an unpatched
-install (``pristine=True``) to show what 0.20.2 would do.
+hybridkv planner when present, so it can also be loaded against an unpatched
+install, where it plans with 0.20.2's rules. ``pristine=True`` asks for those
+rules and is refused on a patched install, whose engine code plans with the
+series' rules (a mix of both would plan what neither does).
 """
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
+import math
 import os
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -38,18 +49,44 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+logger = logging.getLogger("vllm.v1.core.kv_cache_capacity")
+
 # CUDA's default: FlashAttention / Triton / TurboQuant accept multiples of 16.
 CUDA_BLOCK_ALIGNMENT = 16
 GIB = 2**30
 DEFAULT_DEVICE_CAPABILITY = "9.0"
+DEFAULT_OVERHEAD_GIB = 1.0
+# Whose defaults the engine takes (vLLM's UsageContext): `vllm serve` or the
+# Python LLM class; they differ in max_num_batched_tokens.
+USAGE_CONTEXTS = {"serve": "OPENAI_API_SERVER", "llm": "LLM_CLASS"}
 
 # Exceptions the engine raises when it refuses a configuration while planning
 # (config validation, skip-list rules, page unification, 0.20.2's bare asserts).
 ENGINE_REFUSALS = (ValueError, AssertionError, NotImplementedError)
 
+# The hybridkv series' engine modules that change planning (0001, 0004, 0005,
+# 0009). Present: a patched install, whose plans follow the series' rules.
+SERIES_PLANNING_MODULES = (
+    "vllm.v1.core.kv_cache_planning_errors",
+    "vllm.v1.core.kv_cache_page_unify",
+    "vllm.model_executor.layers.quantization.turboquant.layer_policy",
+    "vllm.v1.core.kv_cache_draft_groups",
+)
+
 
 class CapacityInputError(ValueError):
-    """A planner input that the engine would refuse, or that describes no GPU."""
+    """A planner input that the engine would refuse, or that describes no GPU
+    or no model. ``vllm kv-capacity`` exits with ``exit_status``."""
+
+    exit_status = 2
+    kind = "input"
+
+
+class CapacityReadError(CapacityInputError):
+    """A model file that exists but cannot be read (permissions, I/O)."""
+
+    exit_status = 3
+    kind = "unreadable"
 
 
 @dataclass(frozen=True)
@@ -68,12 +105,23 @@ class CapacityRequest:
     attention_backend: str | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_gib: float | None = None
-    gpu_memory_utilization: float = 0.9
+    """One GPU's memory. With ``kv_cache_memory_bytes`` it only picks the
+    engine's scheduler defaults, which depend on it."""
+    gpu_memory_utilization: float | None = None
+    """None: the engine's default (``EngineArgs.gpu_memory_utilization``)."""
     weights_gib: float | None = None
-    overhead_gib: float = 1.0
+    overhead_gib: float | None = None
+    """None: ``DEFAULT_OVERHEAD_GIB``."""
     device_capability: str = DEFAULT_DEVICE_CAPABILITY
     """CUDA compute capability the backends are chosen for, e.g. 9.0 or 12.0."""
     pristine: bool = False
+    max_num_batched_tokens: int | None = None
+    """None: the engine's default for the GPU (``gpu_memory_gib``,
+    ``device_capability``) and ``usage_context``."""
+    usage_context: str = "serve"
+    """Whose defaults: "serve" (`vllm serve`) or "llm" (the LLM class)."""
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -96,11 +144,33 @@ class CapacityReport:
     device_capability: str = DEFAULT_DEVICE_CAPABILITY
     error: str | None = None
     """Why the engine would refuse this configuration while planning."""
+    usage_context: str = "serve"
+    max_num_batched_tokens: int | None = None
+    """What the engine schedules per step (sliding-window layers hold
+    window - 1 + this many tokens per request)."""
+    max_num_batched_tokens_source: str = ""
     block_size: int | None = None
     groups: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per KV-cache group: its spec type, layers, empty layer slots
+    (``padding_layers``) and ``layer_pages``, one row per kind of layer in it,
+    whose ``page_size_bytes`` / ``padding_bytes`` are one block of ONE layer
+    (for every spec type). The group's own ``page_size_bytes`` is that too,
+    or None where its layers differ (UniformTypeKVCacheSpecs)."""
     page_size_bytes: int | None = None
+    """The page of one layer, where every layer has the same (hybrid models)."""
     padding_bytes_per_page_set: int = 0
+    """Bytes of one block of every group that hold no layer's data: page
+    padding plus the page slots of padding layers."""
     padding_fraction: float = 0.0
+    """Share of KV-cache memory that holds no data, page padding plus padding
+    layers, with every layer slot holding the same number of pages (the
+    engine's model: kv_cache_page_unify's PagePadding, and a block of a group
+    spans every layer slot)."""
+    padding_layers: int = 0
+    """Empty layer slots of the groups, the engine's "Add N padding layers"."""
+    padding_warnings: list[str] = field(default_factory=list)
+    """The engine's own padding warning for each spec type that gets padding
+    layers (the same N and "may waste at most" figure it logs)."""
     num_blocks: int | None = None
     kv_tokens: int | None = None
     max_concurrency: float | None = None
@@ -110,8 +180,11 @@ class CapacityReport:
     backend_errors: dict[str, str] = field(default_factory=dict)
     """Layer kind -> why no backend would serve it (the engine fails to start)."""
     pad_to_max_fraction: float | None = None
-    """Padding if every page were padded to the largest, unscaled (upstream
-    0.33's unification), for comparison."""
+    """Page padding if every page were padded to the largest, unscaled
+    (upstream 0.33's unification), for comparison; None where the engine
+    does not unify pages (one group of one spec type)."""
+    warnings: list[str] = field(default_factory=list)
+    """Inputs that are taken but change nothing in the plan."""
 
     @property
     def fails(self) -> bool:
@@ -134,8 +207,109 @@ def _engine_step(step: str) -> Iterator[None]:
 
 # --- inputs -----------------------------------------------------------------
 
+# Counts and sizes of a decoder's layers, as config.json names them: each one
+# present must be a whole number >= 1 (the engine sizes tensors and splits
+# heads by them).
+_GEOMETRY = (
+    ("num_hidden_layers", "decoder layers"),
+    ("hidden_size", "hidden size"),
+    ("num_attention_heads", "query heads"),
+    ("num_key_value_heads", "KV heads"),
+    ("head_dim", "attention head size"),
+    ("global_head_dim", "full-attention head size"),
+    ("num_global_key_value_heads", "full-attention KV heads"),
+    ("linear_num_key_heads", "linear-attention (GDN) key heads"),
+    ("linear_num_value_heads", "linear-attention (GDN) value heads"),
+    ("linear_key_head_dim", "linear-attention (GDN) key head size"),
+    ("linear_value_head_dim", "linear-attention (GDN) value head size"),
+    ("linear_conv_kernel_dim", "linear-attention (GDN) convolution width"),
+    ("mamba_n_heads", "Mamba heads"),
+    ("mamba_d_head", "Mamba head size"),
+    ("mamba_n_groups", "Mamba groups"),
+    ("mamba_d_state", "Mamba state size"),
+    ("mamba_d_conv", "Mamba convolution width"),
+)
+# Counts that may be 0 (a model without an MTP head).
+_COUNTS_OR_ZERO = (
+    ("mtp_num_hidden_layers", "MTP layers"),
+    ("num_nextn_predict_layers", "MTP layers"),
+)
+_GEOMETRY_RULE = (
+    "The engine builds each attention layer with an equal group of query heads "
+    "per KV head (its Attention layer asserts num_heads % num_kv_heads == 0) "
+    "and sizes every tensor by these counts, each a whole number of at least "
+    "1; it would stop at model load."
+)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_problems(
+    attr: str, what: str, values: list[Any], least: int = 1
+) -> list[str]:
+    problems = []
+    for value in values:
+        if value is None:
+            continue
+        if not _is_count(value):
+            problems.append(
+                f"{attr}={value!r} ({what}) is a {type(value).__name__}, not a "
+                "whole number (write it without quotes or decimals)"
+            )
+        elif value < least:
+            problems.append(f"{attr}={value} ({what}) must be at least {least}")
+    return problems
+
+
+def _all_count_problems(get: Any) -> list[str]:
+    """Every count of ``_GEOMETRY`` / ``_COUNTS_OR_ZERO``, ``get(attr)``
+    giving the list of its values."""
+    problems = []
+    for attr, what in _GEOMETRY:
+        problems += _count_problems(attr, what, get(attr))
+    for attr, what in _COUNTS_OR_ZERO:
+        problems += _count_problems(attr, what, get(attr), least=0)
+    return problems
+
+
+def _geometry_error(label: str, problems: list[str]) -> CapacityInputError:
+    return CapacityInputError(
+        f"{label}: its config.json describes a model the engine cannot build: "
+        + "; ".join(problems)
+        + f". {_GEOMETRY_RULE} Fix the value in config.json, or fetch the "
+        "model's config.json again."
+    )
+
+
+def _raw_geometry(label: str, parsed: dict) -> None:
+    """Counts in config.json as written: transformers passes some bad ones
+    through and fails on others with a traceback of its own."""
+    problems = []
+    sections = [parsed]
+    if isinstance(parsed.get("text_config"), dict):
+        sections.append(parsed["text_config"])
+    for section in sections:
+        problems += _all_count_problems(lambda attr, s=section: [s.get(attr)])
+    if problems:
+        raise _geometry_error(label, problems)
+
 
 def _model_dir(flag: str, value: str) -> None:
+    try:
+        _read_model_dir(flag, value)
+    except OSError as e:
+        # Permissions or I/O: the file is there, this user cannot read it.
+        what = e.filename or f"{value}/config.json"
+        raise CapacityReadError(
+            f"{flag} {value}: cannot read {what}: {e.strerror or e}. Make the "
+            "directory and its config.json readable by this user, or fetch the "
+            "model's config.json again."
+        ) from e
+
+
+def _read_model_dir(flag: str, value: str) -> None:
     path = Path(value)
     if not path.is_dir():
         raise CapacityInputError(
@@ -163,10 +337,15 @@ def _model_dir(flag: str, value: str) -> None:
             "expected an object of the model's settings. Fetch the model's "
             "config.json again."
         )
+    _raw_geometry(f"{flag} {value}", parsed)
 
 
 def _positive(flag: str, value: float | None, fix: str) -> None:
-    if value is not None and not value > 0:
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CapacityInputError(f"{flag} {value}: must be a finite number. {fix}")
+    if not value > 0:
         raise CapacityInputError(f"{flag} {value}: must be greater than 0. {fix}")
 
 
@@ -175,7 +354,8 @@ def parse_device_capability(value: str) -> tuple[int, int]:
     major, dot, minor = text.partition(".")
     if not dot and text.isdigit() and len(text) >= 2:
         major, minor = text[:-1], text[-1]
-    if not (major.isdigit() and minor.isdigit()):
+    # CUDA minor versions are one digit (8.9, 12.1).
+    if not (major.isdigit() and minor.isdigit() and len(minor) == 1):
         raise CapacityInputError(
             f"--device-capability {value}: expected a CUDA compute capability "
             "MAJOR.MINOR, e.g. 8.9 (L4/RTX 40), 9.0 (H100) or 12.0 (RTX 50)."
@@ -183,11 +363,88 @@ def parse_device_capability(value: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def check_request(req: CapacityRequest) -> None:
-    """Refuse, by name, inputs that cannot describe a run of the engine."""
+def _torch_cuda_archs() -> list[tuple[str, int, int]] | None:
+    """The GPU code torch was built with ("sm"/"compute", major, minor): the
+    kernels vLLM runs on CUDA. None for a torch without CUDA."""
+    import torch
+
+    arch_flags = getattr(torch._C, "_cuda_getArchFlags", None)
+    text = arch_flags() if arch_flags is not None else None
+    archs = []
+    for flag in (text or "").split():
+        kind, _, number = flag.partition("_")
+        digits = re.match(r"\d+", number)
+        if kind in ("sm", "compute") and digits:
+            major, minor = divmod(int(digits.group()), 10)
+            archs.append((kind, major, minor))
+    return archs or None
+
+
+def check_device_capability(value: str) -> list[str]:
+    """Refuse a compute capability no GPU that runs this vLLM has; the
+    backend rules alone accept any number (FlashAttention: >= 8.0)."""
+    major, minor = parse_device_capability(value)
+    archs = _torch_cuda_archs()
+    if archs is None:
+        return [
+            f"--device-capability {value}: this torch has no CUDA build to check "
+            "it against; the backends are chosen for it as given."
+        ]
+    # SASS runs on GPUs of its major version and an equal or higher minor;
+    # PTX (compute_XY) on any GPU from XY on.
+    runs = any(
+        (kind == "sm" and a == major and b <= minor)
+        or (kind == "compute" and (a, b) <= (major, minor))
+        for kind, a, b in archs
+    )
+    if not runs:
+        import torch
+
+        built = ", ".join(f"{k}_{a}{b}" for k, a, b in archs)
+        raise CapacityInputError(
+            f"--device-capability {value}: no GPU of compute capability "
+            f"{major}.{minor} runs this vLLM: its torch {torch.__version__} "
+            f"carries CUDA kernels for {built}, and a kernel runs only on GPUs "
+            "of its major version with an equal or higher minor. Give the "
+            "capability of the GPU you plan for, e.g. 8.9 (L4/RTX 40), 9.0 "
+            "(H100/H200), 10.0 (B200) or 12.0 (RTX 50)."
+        )
+    return []
+
+
+def series_modules() -> list[str]:
+    """The hybridkv series' planning modules this vLLM carries."""
+    return [m for m in SERIES_PLANNING_MODULES if importlib.util.find_spec(m)]
+
+
+def _engine_default(name: str) -> Any:
+    """The default of an ``EngineArgs`` field (what `vllm serve` takes)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
+
+
+def check_request(req: CapacityRequest) -> list[str]:
+    """Refuse, by name, inputs that cannot describe a run of the engine.
+    Returns warnings: inputs taken that change nothing in the plan."""
+    use_planning_platform()
+    warnings: list[str] = []
     _model_dir("MODEL_DIR", req.model)
     if req.draft is not None:
         _model_dir("--draft", req.draft)
+    if req.pristine:
+        found = series_modules()
+        if found:
+            import vllm
+
+            raise CapacityInputError(
+                f"--pristine: this vLLM ({vllm.__version__}) carries the hybridkv "
+                f"series ({', '.join(found)}), whose engine code plans with the "
+                "series' rules; planning 0.20.2's rules with it would mix both "
+                "(e.g. plan TurboQuant on a hybrid that vLLM 0.20.2 refuses). Run "
+                "the planner against an unpatched vllm==0.20.2 install, where it "
+                "plans with 0.20.2's rules, or leave --pristine out."
+            )
     _positive("--max-model-len", req.max_model_len, "Give the context length to plan.")
     _positive(
         "--tensor-parallel-size",
@@ -205,14 +462,56 @@ def check_request(req: CapacityRequest) -> None:
             "tokens the draft model proposes per step."
         )
     _positive("--block-size", req.block_size, "Leave it out to plan the default.")
-    parse_device_capability(req.device_capability)
+    _positive(
+        "--max-num-batched-tokens",
+        req.max_num_batched_tokens,
+        "It is the tokens the engine schedules per step; leave it out for the "
+        "engine's default.",
+    )
+    if req.usage_context not in USAGE_CONTEXTS:
+        raise CapacityInputError(
+            f"--usage-context {req.usage_context}: expected one of "
+            f"{', '.join(USAGE_CONTEXTS)} (`vllm serve` or the Python LLM class)."
+        )
+    from typing import get_args
+
+    from vllm.config.cache import MambaDType
+
+    for flag, dtype in (
+        ("--mamba-cache-dtype", req.mamba_cache_dtype),
+        ("--mamba-ssm-cache-dtype", req.mamba_ssm_cache_dtype),
+    ):
+        if dtype not in get_args(MambaDType):
+            raise CapacityInputError(
+                f"{flag} {dtype}: vLLM accepts "
+                f"{', '.join(repr(d) for d in get_args(MambaDType))} (as for "
+                f"`vllm serve {flag}`)."
+            )
+    warnings += check_device_capability(req.device_capability)
+    _positive("--gpu-memory-gib", req.gpu_memory_gib, "It is one GPU's memory in GiB.")
+    if req.gpu_memory_gib is not None and not math.isfinite(req.gpu_memory_gib * GIB):
+        raise CapacityInputError(
+            f"--gpu-memory-gib {req.gpu_memory_gib}: too large to count in bytes. "
+            "It is one GPU's memory in GiB, e.g. 80."
+        )
     if req.kv_cache_memory_bytes is not None:
         _positive(
             "--kv-cache-memory-bytes",
             req.kv_cache_memory_bytes,
             "It is the KV-cache memory per GPU, as the engine's kv_cache_memory_bytes.",
         )
-        return
+        for flag, given in (
+            ("--weights-gib", req.weights_gib),
+            ("--gpu-memory-utilization", req.gpu_memory_utilization),
+            ("--overhead-gib", req.overhead_gib),
+        ):
+            if given is not None:
+                warnings.append(
+                    f"{flag} {given}: no effect, --kv-cache-memory-bytes gives the "
+                    "KV-cache memory (only --gpu-memory-gib still counts: it picks "
+                    "the engine's scheduler defaults)."
+                )
+        return warnings
     if req.gpu_memory_gib is None or req.weights_gib is None:
         raise CapacityInputError(
             "no memory to plan with: give --kv-cache-memory-bytes (the KV-cache "
@@ -220,35 +519,51 @@ def check_request(req: CapacityRequest) -> None:
             "--weights-gib (the whole model's weights; divided by the "
             "tensor-parallel size)."
         )
-    _positive("--gpu-memory-gib", req.gpu_memory_gib, "It is one GPU's memory in GiB.")
     _positive(
         "--weights-gib", req.weights_gib, "It is the whole model's weights in GiB."
     )
-    if not 0 < req.gpu_memory_utilization <= 1:
+    utilization = req.gpu_memory_utilization
+    if utilization is not None and not math.isfinite(utilization):
         raise CapacityInputError(
-            f"--gpu-memory-utilization {req.gpu_memory_utilization}: must be in "
+            f"--gpu-memory-utilization {utilization}: must be a finite number in "
             "(0, 1], the share of each GPU's memory vLLM may use (e.g. 0.9)."
         )
-    if req.overhead_gib < 0:
+    if utilization is not None and not 0 < utilization <= 1:
         raise CapacityInputError(
-            f"--overhead-gib {req.overhead_gib}: must be 0 or more (activations, "
+            f"--gpu-memory-utilization {utilization}: must be in "
+            "(0, 1], the share of each GPU's memory vLLM may use (e.g. 0.9)."
+        )
+    overhead = req.overhead_gib
+    if overhead is not None and not math.isfinite(overhead):
+        raise CapacityInputError(
+            f"--overhead-gib {overhead}: must be a finite number, 0 or more "
+            "(activations, CUDA graphs and NCCL buffers per GPU)."
+        )
+    if overhead is not None and overhead < 0:
+        raise CapacityInputError(
+            f"--overhead-gib {overhead}: must be 0 or more (activations, "
             "CUDA graphs and NCCL buffers per GPU)."
         )
+    return warnings
 
 
 def available_kv_memory(req: CapacityRequest) -> int:
     if req.kv_cache_memory_bytes is not None:
         return req.kv_cache_memory_bytes
     assert req.gpu_memory_gib is not None and req.weights_gib is not None
-    usable = req.gpu_memory_gib * req.gpu_memory_utilization
+    utilization = req.gpu_memory_utilization
+    if utilization is None:
+        utilization = _engine_default("gpu_memory_utilization")
+    overhead = DEFAULT_OVERHEAD_GIB if req.overhead_gib is None else req.overhead_gib
+    usable = req.gpu_memory_gib * utilization
     weights = req.weights_gib / req.tensor_parallel_size
-    per_gpu = usable - weights - req.overhead_gib
+    per_gpu = usable - weights - overhead
     if per_gpu <= 0:
         raise CapacityInputError(
             f"nothing left for the KV cache: {req.gpu_memory_gib} GiB x "
-            f"{req.gpu_memory_utilization} = {usable:.2f} GiB per GPU, minus weights "
+            f"{utilization} = {usable:.2f} GiB per GPU, minus weights "
             f"{weights:.2f} GiB (--weights-gib / --tensor-parallel-size) and "
-            f"--overhead-gib {req.overhead_gib} leaves {per_gpu:.2f} GiB. Use more "
+            f"--overhead-gib {overhead} leaves {per_gpu:.2f} GiB. Use more "
             "or larger GPUs, a higher --gpu-memory-utilization, or smaller weights."
         )
     return int(per_gpu * GIB)
@@ -321,6 +636,69 @@ def check_tensor_parallel(text_config: Any, tp: int, flag: str) -> None:
         )
 
 
+def geometry_problems(text_config: Any) -> list[str]:
+    """What makes the decoder of ``text_config`` one the engine cannot build."""
+    problems = []
+    if _values(text_config, "num_hidden_layers") == [None]:
+        problems.append("num_hidden_layers (decoder layers) is missing")
+    problems += _all_count_problems(lambda attr: _values(text_config, attr))
+    if problems:
+        return problems
+    for q in _values(text_config, "num_attention_heads"):
+        if q is None:
+            continue
+        for attr, what in _KV_HEADS:
+            for kv in _values(text_config, attr):
+                if kv is None:
+                    continue
+                if kv > q:
+                    problems.append(
+                        f"{attr}={kv} ({what}) is more than num_attention_heads={q} "
+                        "(query heads)"
+                    )
+                elif q % kv:
+                    problems.append(
+                        f"num_attention_heads={q} (query heads) is not a multiple of "
+                        f"{attr}={kv} ({what})"
+                    )
+        if _values(text_config, "head_dim") == [None]:
+            hidden = getattr(text_config, "hidden_size", None)
+            if _is_count(hidden) and hidden // q < 1:
+                problems.append(
+                    f"hidden_size={hidden} / num_attention_heads={q} leaves a head "
+                    "size of 0 (no head_dim given)"
+                )
+    # Gated DeltaNet groups its value heads over its key heads.
+    keys = getattr(text_config, "linear_num_key_heads", None)
+    values = getattr(text_config, "linear_num_value_heads", None)
+    if _is_count(keys) and _is_count(values) and values % keys:
+        problems.append(
+            f"linear_num_value_heads={values} (linear-attention value heads) is not "
+            f"a multiple of linear_num_key_heads={keys} (its key heads)"
+        )
+    n = getattr(text_config, "num_hidden_layers", None)
+    for attr in ("layer_types", "layers_block_type"):
+        kinds = getattr(text_config, attr, None)
+        if isinstance(kinds, (list, tuple)) and kinds and len(kinds) < n:
+            problems.append(
+                f"{attr} has {len(kinds)} entries for num_hidden_layers={n} layers"
+            )
+        if isinstance(kinds, (list, tuple)) and "sliding_attention" in kinds:
+            window = getattr(text_config, "sliding_window", None)
+            if not (_is_count(window) and window >= 1):
+                problems.append(
+                    f"sliding_window={window!r} (tokens a sliding-window layer "
+                    "attends to) must be a whole number of at least 1"
+                )
+    return problems
+
+
+def check_geometry(text_config: Any, label: str) -> None:
+    problems = geometry_problems(text_config)
+    if problems:
+        raise _geometry_error(label, problems)
+
+
 def check_skip_layers(req: CapacityRequest, num_layers: int) -> None:
     for entry in req.kv_cache_dtype_skip_layers:
         if entry.isdigit() and int(entry) >= num_layers:
@@ -354,15 +732,19 @@ def use_planning_platform() -> None:
     """Plan for CUDA on a host that has no GPU, before vLLM picks a platform.
 
     A plain install on such a host resolves no platform at all ("Failed to
-    infer device type"); call this before ``vllm.config`` is imported.
+    infer device type"); ``plan_capacity`` calls this first, so the Python
+    API plans wherever the command line does.
     """
     import vllm.platforms as platforms
 
-    if platforms._current_platform is not None:
+    current = platforms._current_platform
+    if current is not None and not current.is_unspecified():
         return
-    qualname = platforms.resolve_current_platform_cls_qualname()
-    if not qualname.endswith(".CudaPlatform"):
-        platforms._current_platform = _planning_platform_cls()()
+    if current is None:
+        qualname = platforms.resolve_current_platform_cls_qualname()
+        if qualname.endswith(".CudaPlatform"):
+            return
+    platforms._current_platform = _planning_platform_cls()()
 
 
 @contextlib.contextmanager
@@ -384,8 +766,11 @@ def _cuda_target_config_check() -> Iterator[None]:
         del current_platform.check_and_update_config
 
 
-def _cuda_platform_cls(capability: tuple[int, int]) -> type:
-    """vLLM's CUDA platform, answering for ``capability`` instead of a device."""
+def _cuda_platform_cls(
+    capability: tuple[int, int], memory_bytes: int | None = None
+) -> type:
+    """vLLM's CUDA platform, answering for ``capability`` (and a GPU of
+    ``memory_bytes``) instead of a device."""
     stubs = []
     # vllm.platforms.cuda loads the CUDA extensions, which need libcuda; the
     # backend selection itself does not.
@@ -407,6 +792,21 @@ def _cuda_platform_cls(capability: tuple[int, int]) -> type:
         @classmethod
         def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
             return DeviceCapability(*capability)
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            if memory_bytes is None:
+                # The engine's fallback for a GPU it cannot query.
+                raise RuntimeError("GPU memory not given (--gpu-memory-gib)")
+            return memory_bytes
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            # vLLM's defaults single out A100s by name (PR #17885); SM 8.0
+            # GPUs of >= 70 GiB are A100s (and the A800, which it does not).
+            if capability == (8, 0):
+                return "NVIDIA A100"
+            return f"NVIDIA GPU SM {capability[0]}.{capability[1]}"
 
     return CudaTarget
 
@@ -667,6 +1067,7 @@ def attention_backends(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The backend CUDA's selection (``get_attn_backend_cls``) picks for each
     kind of attention layer, with the selector config ``Attention`` builds."""
+    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -696,9 +1097,12 @@ def attention_backends(
             attn_type=AttentionType.DECODER,
         )
         try:
-            path = cuda.get_attn_backend_cls(
-                vllm_config.attention_config.backend, selector
-            )
+            # As at model build: backends read the config being built (e.g.
+            # FlashAttention's kernel block sizes for a given --block-size).
+            with set_current_vllm_config(vllm_config):
+                path = cuda.get_attn_backend_cls(
+                    vllm_config.attention_config.backend, selector
+                )
         except ValueError as e:
             failed[kind] = str(e)
             continue
@@ -719,8 +1123,36 @@ def has_layer_policy() -> bool:
     )
 
 
-def engine_config(req: CapacityRequest) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
+def _planning_engine_args_cls(target_platform: Any) -> type:
+    """``EngineArgs`` whose scheduler defaults are those of the target GPU.
+
+    ``EngineArgs.get_batch_defaults`` picks max_num_batched_tokens by the
+    current platform's GPU memory and name (and the usage context); planning
+    runs on the CPU platform, whose defaults are the CPU backend's. The rule
+    itself is the engine's: it is only asked about the target GPU.
+    """
+    from vllm.engine import arg_utils
+
+    class PlanningEngineArgs(arg_utils.EngineArgs):
+        @classmethod
+        def get_batch_defaults(cls, world_size: int):
+            saved = arg_utils.current_platform
+            arg_utils.current_platform = target_platform
+            try:
+                return super().get_batch_defaults(world_size)
+            finally:
+                arg_utils.current_platform = saved
+
+    return PlanningEngineArgs
+
+
+def engine_config(
+    req: CapacityRequest, capability: tuple[int, int] | None = None
+) -> Any:
+    from vllm.usage.usage_lib import UsageContext
+
+    if capability is None:
+        capability = parse_device_capability(req.device_capability)
 
     speculative = None
     if req.draft:
@@ -734,7 +1166,9 @@ def engine_config(req: CapacityRequest) -> Any:
             "method": "mtp",
             "num_speculative_tokens": req.num_speculative_tokens,
         }
-    engine_args = EngineArgs(
+    memory = None if req.gpu_memory_gib is None else int(req.gpu_memory_gib * GIB)
+    target = _cuda_platform_cls(capability, memory)()
+    engine_args = _planning_engine_args_cls(target)(
         model=req.model,
         kv_cache_dtype=req.kv_cache_dtype,
         tensor_parallel_size=req.tensor_parallel_size,
@@ -746,9 +1180,26 @@ def engine_config(req: CapacityRequest) -> Any:
         language_model_only=req.language_model_only,
         block_size=req.block_size,
         attention_backend=req.attention_backend,
+        max_num_batched_tokens=req.max_num_batched_tokens,
+        mamba_cache_dtype=req.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
     )
     with _cuda_target_config_check():
-        return engine_args.create_engine_config()
+        return engine_args.create_engine_config(
+            usage_context=UsageContext[USAGE_CONTEXTS[req.usage_context]]
+        )
+
+
+def _batch_source(req: CapacityRequest) -> str:
+    if req.max_num_batched_tokens is not None:
+        return "--max-num-batched-tokens"
+    who = "vllm serve" if req.usage_context == "serve" else "the LLM class"
+    if req.gpu_memory_gib is None:
+        return f"{who}'s default where the GPU's memory is not given (--gpu-memory-gib)"
+    return (
+        f"{who}'s default for a {req.gpu_memory_gib:g} GiB GPU of SM "
+        f"{req.device_capability}"
+    )
 
 
 def pad_to_max_fraction(specs: dict[str, Any]) -> float:
@@ -761,34 +1212,250 @@ def check_model(req: CapacityRequest) -> None:
     """Checks the engine makes only later (at model load), or never."""
     from vllm.transformers_utils.config import get_config
 
-    models = [(req.model, req.tensor_parallel_size, "--tensor-parallel-size")]
+    models = [(req.model, f"MODEL_DIR {req.model}", "--tensor-parallel-size")]
     if req.draft:
         # The draft runs at the main model's tensor-parallel size.
-        models.append((req.draft, req.tensor_parallel_size, "--tensor-parallel-size"))
-    for model, tp, flag in models:
-        with _engine_step(f"reading {model}/config.json"):
+        flag = f"--tensor-parallel-size (draft model {req.draft})"
+        models.append((req.draft, f"--draft {req.draft}", flag))
+    for model, label, flag in models:
+        try:
             hf_config = get_config(model, trust_remote_code=False)
+        except Exception as e:
+            # Parsing the user's config.json: whatever transformers (or
+            # vLLM's config classes) raise here is about that file.
+            cause = " ".join(f"{type(e).__name__}: {e}".split())
+            raise CapacityInputError(
+                f"{label}: transformers cannot read its config.json ({cause}). "
+                "Fix the value it names in config.json (the engine reads it the "
+                "same way), or fetch the model's config.json again."
+            ) from e
         text = hf_config.get_text_config()
-        if model != req.model:
-            flag = f"{flag} (draft model {model})"
-        check_tensor_parallel(text, tp, flag)
+        check_geometry(text, label)
+        check_tensor_parallel(text, req.tensor_parallel_size, flag)
         if model == req.model:
             check_skip_layers(req, int(getattr(text, "num_hidden_layers", 0) or 0))
 
 
+def _layer_index(name: str) -> int:
+    return int(next(p for p in name.split(".") if p.isdigit()))
+
+
+def _indices(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:12]))
+    return shown + (f", ... ({len(indices)} in all)" if len(indices) > 12 else "")
+
+
+def check_options_take_effect(
+    req: CapacityRequest, vllm_config: Any, layers: list[LayerGeometry]
+) -> list[str]:
+    """Refuse options the engine takes and that would change nothing in this
+    plan; return warnings for those that are merely redundant."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    main = [g for g in layers if g.name.startswith("model.layers.")]
+    kinds = {_layer_index(g.name): g.kind for g in main}
+    attention = sorted(i for i, kind in kinds.items() if kind != "mamba")
+    drafters = [g for g in layers if not g.name.startswith("model.layers.")]
+    entries = list(req.kv_cache_dtype_skip_layers)
+    if entries and cache_dtype == "auto":
+        raise CapacityInputError(
+            f"--kv-cache-dtype-skip-layers {' '.join(entries)}: the KV cache is not "
+            f"quantized (--kv-cache-dtype {req.kv_cache_dtype}), so every layer "
+            "already stores the model dtype and the entries have no effect. Leave "
+            "the option out, or give a quantized --kv-cache-dtype (fp8, "
+            "turboquant_4bit_nc, ...)."
+        )
+    for entry in entries:
+        nothing = f"--kv-cache-dtype-skip-layers {entry}: "
+        if entry.isdigit() and kinds.get(int(entry)) == "mamba":
+            raise CapacityInputError(
+                f"{nothing}layer {entry} is a linear-attention (GDN/Mamba) layer; "
+                "it keeps a recurrent state, not a KV cache, so the entry would "
+                "skip nothing. The model's attention layers are "
+                f"{_indices(attention)}: give one of those, 'boundary:N', 'draft' "
+                "or 'sliding_window'."
+            )
+        if entry == "sliding_window" and not any(g.kind == "sliding" for g in layers):
+            raise CapacityInputError(
+                f"{nothing}the model has no sliding-window layers, so the entry "
+                "would skip nothing. Leave it out."
+            )
+        if entry == "draft" and not drafters:
+            raise CapacityInputError(
+                f"{nothing}there is no drafter (--num-speculative-tokens with the "
+                "model's MTP layers, or --draft), so the entry would skip nothing. "
+                "Leave it out, or plan the speculative decoding it is meant for."
+            )
+        if entry.startswith("boundary:") and entry[len("boundary:") :].isdigit():
+            n = int(entry[len("boundary:") :])
+            if not cache_dtype.startswith("turboquant_"):
+                raise CapacityInputError(
+                    f"{nothing}boundary protection is TurboQuant's; with "
+                    f"--kv-cache-dtype {cache_dtype} the engine matches layers by "
+                    "index only, so the entry would skip nothing. Give the indices "
+                    "of the layers to keep instead."
+                )
+            if n > len(attention):
+                raise CapacityInputError(
+                    f"{nothing}the model has {len(attention)} attention layers "
+                    f"({_indices(attention)}), so boundary:{n} would keep every one "
+                    f"at the model dtype and --kv-cache-dtype {cache_dtype} would "
+                    "apply to none. Give N of at most "
+                    f"{max(0, (len(attention) - 1) // 2)} (N at each end), or "
+                    "--kv-cache-dtype auto."
+                )
+    if not any(g.kind == "mamba" for g in layers):
+        for flag, dtype in (
+            ("--mamba-cache-dtype", req.mamba_cache_dtype),
+            ("--mamba-ssm-cache-dtype", req.mamba_ssm_cache_dtype),
+        ):
+            if dtype != "auto":
+                raise CapacityInputError(
+                    f"{flag} {dtype}: the model has no GDN/Mamba layers, so it has "
+                    "no effect. Leave it out."
+                )
+    warnings = []
+    if req.language_model_only and not vllm_config.model_config.is_multimodal_model:
+        warnings.append(
+            "--language-model-only: no effect, the model has no multimodal encoder."
+        )
+    return warnings
+
+
+def check_quantized_layers(
+    req: CapacityRequest, vllm_config: Any, layer_dtypes: dict[str, int]
+) -> None:
+    """A quantized --kv-cache-dtype that the skip rules keep off every layer."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto" or not layer_dtypes or cache_dtype in layer_dtypes:
+        return
+    resolved = list(vllm_config.cache_config.kv_cache_dtype_skip_layers or [])
+    indices = sum(1 for entry in resolved if entry.isdigit())
+    given = " ".join(req.kv_cache_dtype_skip_layers) or "none given"
+    raise CapacityInputError(
+        f"--kv-cache-dtype {req.kv_cache_dtype}: no attention layer is left at it: "
+        f"the skip rules (--kv-cache-dtype-skip-layers: {given}; the engine adds "
+        f"boundary protection's and sliding-window layers, {indices} layer "
+        f"indices in all) keep all {sum(layer_dtypes.values())} attention layers "
+        "at the model dtype, so the option has no effect. Keep fewer layers "
+        "(e.g. a smaller boundary:N, or boundary:0), or use --kv-cache-dtype auto."
+    )
+
+
+def _spec_dtype(spec: Any) -> str:
+    dtypes = getattr(spec, "dtypes", None)
+    if dtypes is not None:  # MambaSpec: one dtype per state tensor
+        return str(tuple(dtypes))
+    return str(getattr(spec, "dtype", ""))
+
+
+def layer_pages(spec: Any, layer_names: list[str]) -> list[dict[str, Any]]:
+    """One row per kind of layer in a group, each describing one block of ONE
+    layer. A ``UniformTypeKVCacheSpecs`` group's spec sums its layers' pages;
+    its rows are its layers' own specs."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    rows: dict[tuple, dict[str, Any]] = {}
+    for name in layer_names:
+        one = (
+            spec.kv_cache_specs[name]
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else spec
+        )
+        page = one.page_size_bytes
+        padding = page - unpadded_page_size_bytes(one)
+        key = (type(one).__name__, one.block_size, page, padding, _spec_dtype(one))
+        row = rows.setdefault(
+            key,
+            {
+                "type": key[0],
+                "layers": 0,
+                "first_layer": name,
+                "block_size": one.block_size,
+                "page_size_bytes": page,
+                "padding_bytes": padding,
+                "dtype": key[4],
+            },
+        )
+        row["layers"] += 1
+    return list(rows.values())
+
+
+def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> None:
+    """Groups, per-layer pages and padding of the engine's KV-cache config.
+
+    Padding is counted as the engine counts it: a block id spans every
+    KV-cache tensor (``config.kv_cache_tensors``), so a block of a group with
+    fewer layers than the others leaves page slots empty (upstream's "Add N
+    padding layers" warning, repeated here with its figure), and the share of
+    KV memory is taken with every layer slot holding the same number of pages
+    (``PagePadding.fraction`` of kv_cache_page_unify, whose log line this
+    equals where no slot is empty).
+    """
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    groups = config.kv_cache_groups
+    block = sum(t.size for t in config.kv_cache_tensors) // max(1, config.num_blocks)
+    slots = max(len(g.layer_names) for g in groups)
+    wasted = 0
+    by_spec: dict[Any, list[Any]] = {}
+    for group in groups:
+        spec = group.kv_cache_spec
+        rows = layer_pages(spec, group.layer_names)
+        one = {r["page_size_bytes"] for r in rows}
+        padding = {r["padding_bytes"] for r in rows}
+        held = sum(
+            r["layers"] * (r["page_size_bytes"] - r["padding_bytes"]) for r in rows
+        )
+        uniform_type = isinstance(spec, UniformTypeKVCacheSpecs)
+        report.groups.append(
+            {
+                "type": type(spec).__name__,
+                "layers": len(group.layer_names),
+                "padding_layers": 0 if uniform_type else slots - len(group.layer_names),
+                "first_layer": group.layer_names[0],
+                "block_size": spec.block_size,
+                "page_size_bytes": one.pop() if len(one) == 1 else None,
+                "padding_bytes": padding.pop() if len(padding) == 1 else None,
+                "dtype": rows[0]["dtype"] if len(rows) == 1 else None,
+                "layer_pages": rows,
+            }
+        )
+        wasted += block - held
+        if not uniform_type:
+            by_spec.setdefault(spec, []).append(group)
+    report.padding_bytes_per_page_set = wasted
+    report.padding_fraction = wasted / (block * len(groups)) if block else 0.0
+    for spec, same in by_spec.items():
+        layers = sum(len(g.layer_names) for g in same)
+        empty = len(same) * slots - layers
+        if empty:
+            report.padding_layers += empty
+            # The engine's warning (_get_kv_cache_groups_uniform_page_size).
+            report.padding_warnings.append(
+                f"{type(spec).__name__} ({layers} layers from "
+                f"{same[0].layer_names[0]}): Add {empty} padding layers, may waste "
+                f"at most {empty / layers * 100:.2f}% KV cache memory"
+            )
+    pages = {r["page_size_bytes"] for g in report.groups for r in g["layer_pages"]}
+    report.page_size_bytes = pages.pop() if len(pages) == 1 else None
+
+
 def plan_capacity(req: CapacityRequest) -> CapacityReport:
     """Plan ``req`` the way the engine would at start-up, on this host."""
+    use_planning_platform()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    warnings = check_request(req)
     import vllm
     from vllm.v1.core.kv_cache_utils import (
         get_kv_cache_configs,
         get_max_concurrency_for_kv_cache_config,
     )
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    check_request(req)
     memory = available_kv_memory(req)
     capability = parse_device_capability(req.device_capability)
-    # Without hybridkv's policy module this is an unpatched vLLM: its rules.
+    # Without the series' planning modules this is an unpatched vLLM: its
+    # rules (check_request refuses pristine=True on a patched one).
     pristine = req.pristine or not has_layer_policy()
     report = CapacityReport(
         model=req.model,
@@ -798,22 +1465,32 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
         kv_cache_memory_bytes=memory,
         vllm=vllm.__version__,
         device_capability=f"{capability[0]}.{capability[1]}",
+        usage_context=req.usage_context,
+        max_num_batched_tokens_source=_batch_source(req),
+        warnings=warnings,
     )
+    check_model(req)
     try:
-        check_model(req)
         with _engine_step("engine configuration"):
-            vllm_config = engine_config(req)
+            vllm_config = engine_config(req, capability)
+        report.max_num_batched_tokens = (
+            vllm_config.scheduler_config.max_num_batched_tokens
+        )
         layers = all_layers(vllm_config)
+        report.warnings += check_options_take_effect(req, vllm_config, layers)
         with _engine_step("block size for the hybrid page layout"):
             plan_block_size(vllm_config, layers, pristine)
         with _engine_step("KV-cache specs"):
             specs, report.layer_dtypes = kv_cache_specs(vllm_config, layers, pristine)
-        report.pad_to_max_fraction = pad_to_max_fraction(specs)
+        check_quantized_layers(req, vllm_config, report.layer_dtypes)
         with _engine_step("KV-cache groups and pages"):
             config = get_kv_cache_configs(vllm_config, [specs], [memory])[0]
     except EngineRefusal as e:
         report.error = str(e)
         return report
+    finally:
+        for warning in report.warnings:
+            logger.warning("%s", warning)
     report.attention_backends, report.backend_errors = attention_backends(
         vllm_config, layers, capability, pristine
     )
@@ -822,27 +1499,12 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
     concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, config)
     report.max_concurrency = round(concurrency, 2)
     report.kv_tokens = int(concurrency * vllm_config.model_config.max_model_len)
-    padding = 0
-    for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        real = unpadded_page_size_bytes(spec)
-        padding += (spec.page_size_bytes - real) * len(group.layer_names)
-        report.page_size_bytes = spec.page_size_bytes
-        report.groups.append(
-            {
-                "type": type(spec).__name__,
-                "layers": len(group.layer_names),
-                "first_layer": group.layer_names[0],
-                "block_size": spec.block_size,
-                "page_size_bytes": spec.page_size_bytes,
-                "padding_bytes": spec.page_size_bytes - real,
-                "dtype": str(getattr(spec, "dtype", "")),
-            }
-        )
-    total_layers = sum(len(g.layer_names) for g in config.kv_cache_groups)
-    report.padding_bytes_per_page_set = padding
-    if report.page_size_bytes and total_layers:
-        report.padding_fraction = padding / (report.page_size_bytes * total_layers)
+    describe_groups(vllm_config, config, report)
+    if not any(
+        isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
+        for g in config.kv_cache_groups
+    ):
+        report.pad_to_max_fraction = pad_to_max_fraction(specs)
     return report
 
 
@@ -852,35 +1514,54 @@ def format_report(r: CapacityReport) -> str:
         f"max_model_len={r.max_model_len:,}  "
         f"KV memory/GPU={r.kv_cache_memory_bytes / GIB:.2f} GiB  (vLLM {r.vllm})"
     )
+    notes = [f"  warning: {w}" for w in r.warnings]
     if r.error:
         cause = "\n".join("    " + line for line in r.error.splitlines())
-        return f"{head}\n  FAILS at engine start-up, in\n{cause}"
-    lines = [head, f"  layer KV dtypes: {r.layer_dtypes}"]
-    lines.append(
-        f"  {'KV cache groups':<22}{'groups':>7}{'layers':>7}{'block':>7}"
-        f"{'page B':>11}{'pad B':>9}  first layer"
-    )
-    rows: dict[tuple, list[dict]] = {}
-    for g in r.groups:
-        key = (
-            g["type"],
-            g["block_size"],
-            g["page_size_bytes"],
-            g["padding_bytes"],
-            g["dtype"],
-        )
-        rows.setdefault(key, []).append(g)
-    for (kind, block, page, pad, _), groups in rows.items():
-        layers = sum(g["layers"] for g in groups)
+        return "\n".join([head, *notes, f"  FAILS at engine start-up, in\n{cause}"])
+    lines = [head, *notes, f"  layer KV dtypes: {r.layer_dtypes}"]
+    if r.max_num_batched_tokens is not None:
         lines.append(
-            f"  {kind:<22}{len(groups):>7}{layers:>7}{block:>7}{page:>11,}"
-            f"{pad:>9,}  {groups[0]['first_layer']}"
+            f"  max_num_batched_tokens: {r.max_num_batched_tokens:,} "
+            f"({r.max_num_batched_tokens_source})"
+        )
+    # Every page figure is one block of ONE layer, whatever the spec type.
+    lines.append(
+        f"  {'KV cache groups':<24}{'groups':>7}{'layers':>7}{'block':>7}"
+        f"{'page B/layer':>14}{'pad B/layer':>13}  first layer"
+    )
+    rows: dict[tuple, list] = {}
+    uniform_type = False
+    for index, g in enumerate(r.groups):
+        inside = g["type"] == "UniformTypeKVCacheSpecs"
+        uniform_type |= inside
+        for p in g["layer_pages"]:
+            kind = f"{p['type']}*" if inside else p["type"]
+            key = (kind, p["block_size"], p["page_size_bytes"], p["padding_bytes"])
+            rows.setdefault((*key, p["dtype"]), []).append((index, p))
+    for (kind, block, page, pad, _), members in rows.items():
+        layers = sum(p["layers"] for _, p in members)
+        groups = len({index for index, _ in members})
+        lines.append(
+            f"  {kind:<24}{groups:>7}{layers:>7}{block:>7}{page:>14,}"
+            f"{pad:>13,}  {members[0][1]['first_layer']}"
+        )
+    if uniform_type:
+        lines.append(
+            "  * layers of one UniformTypeKVCacheSpecs group (one block spans "
+            "them all), by page size"
         )
     lines.append(
-        f"  padding: {r.padding_bytes_per_page_set:,} B per page set = "
-        f"{100 * r.padding_fraction:.2f}% of KV memory (padding every page to the "
-        f"largest instead: {100 * (r.pad_to_max_fraction or 0):.2f}%)"
+        f"  padding: {100 * r.padding_fraction:.2f}% of KV memory holds no data "
+        f"({r.padding_bytes_per_page_set:,} B per block of every group)"
     )
+    if r.padding_layers:
+        lines.append(f"    {r.padding_layers} padding layers; the engine warns:")
+        lines += [f"      {w}" for w in r.padding_warnings]
+    if r.pad_to_max_fraction is not None:
+        lines.append(
+            "    pages padded to the largest instead (upstream 0.33): "
+            f"{100 * r.pad_to_max_fraction:.2f}% page padding"
+        )
     lines.append(
         f"  blocks: {r.num_blocks:,}   KV cache: {r.kv_tokens:,} tokens   "
         f"max concurrency at {r.max_model_len:,} tokens: {r.max_concurrency:.2f}x"
