@@ -5,18 +5,8 @@
 # runtime (default /opt/hkv); the log goes to $OUT/gpu-suite.log, else ./gpu-suite.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-prefix=${1:-/opt/hkv}; shift || true
-if [ ! -f "$prefix/site/vllm/__init__.py" ]; then
-  echo "gpu-suite: no vLLM runtime under $prefix (expected $prefix/site/vllm, where" \
-    "../shared/gpu-runtime/unpack.sh PREFIX puts it); unpack the runtime there first," \
-    "or pass its PREFIX as the first argument" >&2
-  exit 2
-fi
-export PYTHONPATH="$prefix/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-# Triton and torch.compile caches on the host's disk, reused by later commands.
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/hkv-cache/triton}
-export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/hkv-cache/vllm}
+source scripts/gpu-runtime-env.sh "${1:-}"
+shift || true
 log=${OUT:-.}/gpu-suite.log
 {
   echo "== $(date -u +%FT%TZ) gpu-suite on $(hostname)"

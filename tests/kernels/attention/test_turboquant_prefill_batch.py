@@ -129,22 +129,37 @@ def _slots(table, starts, ends):
     return torch.cat(slots)
 
 
-def _step(table, device):
+def _step(table, device, q_lens=Q_LENS, seq_lens=SEQ_LENS):
     """The runner's metadata for the step, host copies included."""
-    cu = torch.tensor([0, *Q_LENS]).cumsum(0).to(torch.int32)
-    seq = torch.tensor(SEQ_LENS, dtype=torch.int32)
-    starts = [s - q for q, s in zip(Q_LENS, SEQ_LENS)]
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = [s - q for q, s in zip(q_lens, seq_lens)]
     return CommonAttentionMetadata(
         query_start_loc=cu.to(device),
         query_start_loc_cpu=cu,
         seq_lens=seq.to(device),
-        num_reqs=len(Q_LENS),
-        num_actual_tokens=sum(Q_LENS),
-        max_query_len=max(Q_LENS),
-        max_seq_len=max(SEQ_LENS),
+        num_reqs=len(q_lens),
+        num_actual_tokens=sum(q_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
         block_table_tensor=table,
-        slot_mapping=_slots(table, starts, SEQ_LENS),
+        slot_mapping=_slots(table, starts, seq_lens),
         seq_lens_cpu_upper_bound=seq,
+    )
+
+
+def _drafter_step(table, device, q_lens, seq_lens):
+    """A draft model's first pass over a verify step: the target's metadata
+    (``q_lens`` minus one, ``seq_lens`` minus one) with every query extended
+    by the drafter's extra slot, as ``DraftModelProposer`` builds it."""
+    from vllm.v1.spec_decode.utils import extend_all_queries_by_N
+
+    target = _step(table, device, [q - 1 for q in q_lens], [s - 1 for s in seq_lens])
+    return extend_all_queries_by_N(
+        target,
+        N=1,
+        arange=torch.arange(len(q_lens) + 1, dtype=torch.int32, device=device),
+        new_slot_mapping=_step(table, device, q_lens, seq_lens).slot_mapping,
     )
 
 
@@ -157,22 +172,32 @@ def _exact_kv(n, device):
     return k.to(device), (idx.float() / 8 - 1).to(device)
 
 
-def _run(preset, device, monkeypatch, group_tokens=64, dtype=torch.float32):
-    """One mixed step through the builder and forward; returns the inputs and
-    the output [tokens, HQ, D]. ``dtype``: the model's (bf16 holds the K/V
-    exactly)."""
+def _run(
+    preset,
+    device,
+    monkeypatch,
+    group_tokens=64,
+    dtype=torch.float32,
+    q_lens=Q_LENS,
+    seq_lens=SEQ_LENS,
+    step=_step,
+):
+    """One step (by default a mixed one) through the builder and forward;
+    returns the inputs and the output [tokens, HQ, D]. ``dtype``: the
+    model's (bf16 holds the K/V exactly). ``step`` makes the step's metadata
+    from the block table."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
     cfg = impl.tq_config
     layer = torch.nn.Module()
     layer._tq_centroids = get_centroids(D, cfg.centroid_bits).to(device)
-    pages = [math.ceil(s / PAGE) for s in SEQ_LENS]
+    pages = [math.ceil(s / PAGE) for s in seq_lens]
     cache = torch.zeros(
         sum(pages) + 1, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8
     ).to(device)
     # Each request on its own pages, in reverse order.
-    table = torch.zeros(len(SEQ_LENS), max(pages), dtype=torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
     free = list(range(sum(pages), 0, -1))
     for row, n in enumerate(pages):
         table[row, :n] = torch.tensor(free[:n], dtype=torch.int32)
@@ -181,18 +206,18 @@ def _run(preset, device, monkeypatch, group_tokens=64, dtype=torch.float32):
 
     # Every request's whole sequence, stored as the earlier steps and this
     # step's cache update would have.
-    seqs = [tuple(t.to(dtype) for t in _exact_kv(s, device)) for s in SEQ_LENS]
+    seqs = [tuple(t.to(dtype) for t in _exact_kv(s, device)) for s in seq_lens]
     k_all = torch.cat([k for k, _ in seqs])
     v_all = torch.cat([v for _, v in seqs])
     impl._ensure_on_device(layer, torch.device(device))
     impl.do_kv_cache_update(
-        layer, k_all, v_all, cache, _slots(table, [0] * 4, SEQ_LENS)
+        layer, k_all, v_all, cache, _slots(table, [0] * len(seq_lens), seq_lens)
     )
 
-    meta = _builder(group_tokens).build(0, _step(table, device))
-    k_new = torch.cat([k[s - q :] for (k, _), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
-    v_new = torch.cat([v[s - q :] for (_, v), q, s in zip(seqs, Q_LENS, SEQ_LENS)])
-    q = torch.randn(sum(Q_LENS), HQ, D, device=device).to(dtype)
+    meta = _builder(group_tokens).build(0, step(table, device, q_lens, seq_lens))
+    k_new = torch.cat([k[s - q :] for (k, _), q, s in zip(seqs, q_lens, seq_lens)])
+    v_new = torch.cat([v[s - q :] for (_, v), q, s in zip(seqs, q_lens, seq_lens)])
+    q = torch.randn(sum(q_lens), HQ, D, device=device).to(dtype)
     with no_host_sync(monkeypatch):
         out = impl.forward(
             layer,
@@ -202,19 +227,19 @@ def _run(preset, device, monkeypatch, group_tokens=64, dtype=torch.float32):
             cache,
             meta,
             output=torch.full(
-                (sum(Q_LENS), HQ * D), float("nan"), device=device, dtype=dtype
+                (sum(q_lens), HQ * D), float("nan"), device=device, dtype=dtype
             ),
         )
     return SimpleNamespace(
         impl=impl, layer=layer, cache=cache, table=table, seqs=seqs, q=q,
-        k_new=k_new, v_new=v_new, out=out.view(-1, HQ, D),
+        k_new=k_new, v_new=v_new, out=out.view(-1, HQ, D), q_lens=q_lens,
     )  # fmt: skip
 
 
 def _error(run) -> float:
     """max |out - float64 attention over the original K/V| / max |ref|."""
     refs, start = [], 0
-    for (k, v), q_len in zip(run.seqs, Q_LENS):
+    for (k, v), q_len in zip(run.seqs, run.q_lens):
         refs.append(_attention(run.q[start : start + q_len], k, v, D**-0.5))
         start += q_len
     ref = torch.cat(refs).double()
@@ -267,6 +292,29 @@ def test_a_misplaced_row_turns_the_check_red(fault, triton_device, flash, monkey
     # counts as red.
     err = _error(_run("turboquant_k8v4", triton_device, monkeypatch))
     assert math.isnan(err) or err > 100 * TOL, err
+
+
+def test_a_draft_models_first_pass_reads_its_whole_context(
+    triton_device, flash, monkeypatch
+):
+    """A draft model's first pass after a verify step: every request's
+    verified tokens plus the drafter's extra slot, all of them continuing a
+    cached context (q = 1 + k + 1 = 5 > the decode threshold). The plan
+    reads the host copy of seq_lens; ``extend_all_queries_by_N`` left it one
+    token short of the device's, so the chunk rows ran past the packed K/V
+    (index_copy_ out of bounds: the device-side assert that crashed draft
+    speculation with TurboQuant under CUDA graphs)."""
+    run = _run(
+        "turboquant_k8v4",
+        triton_device,
+        monkeypatch,
+        group_tokens=128,
+        q_lens=[5, 5, 5],
+        seq_lens=[21, 38, 10],
+        step=_drafter_step,
+    )
+    assert flash.calls == 1
+    assert _error(run) < TOL
 
 
 def test_mse_continuation_matches_the_per_request_path(

@@ -60,7 +60,6 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +150,29 @@ QUICK_CELLS: tuple[Cell, ...] = (
     Cell("qwen3_dense", "turboquant_4bit_nc", "draft3", "FULL_AND_PIECEWISE"),
     Cell("hybrid_draft", "turboquant_4bit_nc", "draft3", "FULL_AND_PIECEWISE"),
 )
+
+
+# The release gate's set (scripts/gpu-gate.sh): every model with every
+# speculation method it has, auto and turboquant_4bit_nc, eager and under
+# FULL CUDA graphs; the other presets once each under FULL graphs with MTP.
+GATE_CELLS: tuple[Cell, ...] = (
+    *(
+        Cell(m, kv, spec, cg)
+        for m, mm in MODELS.items()
+        for spec in mm.specs
+        for kv in ("auto", "turboquant_4bit_nc")
+        for cg in ("NONE", "FULL_AND_PIECEWISE")
+    ),
+    *(
+        Cell("qwen3_next", kv, "mtp3", "FULL_AND_PIECEWISE")
+        for kv in ("turboquant_k8v4", "turboquant_3bit_nc")
+    ),
+)
+
+
+def chosen_cells(args: argparse.Namespace) -> list[Cell]:
+    base = GATE_CELLS if args.gate else QUICK_CELLS if args.quick else full_cells()
+    return select(list(base), args.only)
 
 
 def select(cells: list[Cell], only: str | None) -> list[Cell]:
@@ -524,6 +546,25 @@ def crash_text(log: str) -> str:
     return (tail[-1] if tail else "no output")[:200]
 
 
+# A CUDA kernel's own assert: printed before the exception it causes, which
+# names only where the error surfaced (a later cuBLAS call, a sync).
+_DEVICE_ASSERT = re.compile(r"\.cu:\d+: .*Assertion .* failed|device-side assert")
+
+
+def first_root_cause(log: str) -> str:
+    """The first line of ``log`` that says what went wrong: a device-side
+    assert, else the first exception that is not a wrapper re-raising one
+    printed above it. ``crash_text`` gives the last one instead."""
+    for line in log.splitlines():
+        text = _PREFIX.sub("", line.strip())
+        if _DEVICE_ASSERT.search(text):
+            return text[:200]
+        m = _EXC.match(text)
+        if m and not any(g in text for g in _GENERIC):
+            return f"{m.group(1)}: {(m.group(2) or '').strip()}"[:200]
+    return crash_text(log)
+
+
 def spawn(
     name: str, args: dict[str, Any], outdir: Path, timeout: float, env: dict[str, str]
 ) -> dict[str, Any]:
@@ -554,6 +595,9 @@ def spawn(
         text = (logs / f"{name}.log").read_text(errors="replace")
         record["crash"] = (
             f"TIMEOUT after {timeout:.0f}s" if rc == "timeout" else crash_text(text)
+        )
+        record["root_cause"] = (
+            record["crash"] if rc == "timeout" else first_root_cause(text)
         )
     return record
 
@@ -588,7 +632,9 @@ def compare(
     if crashed:
         # Both texts when both crashed (pristine): the cell's own first.
         row["status"] = f"CRASH({'+'.join(crashed)})"
-        row["crash"] = (run if "spec" in crashed else ref)["crash"]
+        first = run if "spec" in crashed else ref
+        row["crash"] = first["crash"]
+        row["root_cause"] = first.get("root_cause", first["crash"])
         if len(crashed) == 2 and ref["crash"] != run["crash"]:
             row["crash"] += f" | reference: {ref['crash']}"
         return row
@@ -820,7 +866,7 @@ def check_configs(args: argparse.Namespace) -> int:
         for cg in args.modes:
             kwargs[f"speed.{cg}"] = speed_engine_kwargs(model, cg)
     else:
-        cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
+        cells = chosen_cells(args)
         for cell in cells:
             for c in (cell.reference(), cell):
                 kwargs[c.key] = engine_kwargs(
@@ -838,14 +884,18 @@ def check_configs(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _order(cell: Cell) -> tuple[int, int]:
-    """Queue order: compiled engines first, one of each model/draft graph
-    (the auto-KV cells) before the rest so later engines find its Inductor
-    and Triton artifacts in the shared cache; eager (NONE) engines last, as
-    they are the shortest."""
-    if cell.cg == "NONE":
-        return (2, 0)
-    return (0 if cell.kv == "auto" else 1, CG_MODES.index(cell.cg))
+def _order(cell: Cell) -> tuple[int, int, int]:
+    """Queue order: compiled engines before eager (NONE) ones, which are the
+    shortest, and within them references (no speculation) first, FULL
+    graphs before PIECEWISE ones, so that each checkpoint and KV dtype's
+    first engine (its group leader, see ``run_engines``) compiles every graph
+    and kernel of the main model."""
+    return (cell.cg == "NONE", cell.spec != "none", -CG_MODES.index(cell.cg))
+
+
+def compile_group(cell: Cell) -> tuple[str, str]:
+    """Engines that compile the same main-model kernels and graphs."""
+    return (matrix_model(cell.model).checkpoint, cell.kv)
 
 
 def run_engines(
@@ -854,9 +904,12 @@ def run_engines(
     args: argparse.Namespace,
     t0: float,
 ) -> dict[str, dict[str, Any]]:
-    """Run every engine (``--jobs`` at a time); engines that cannot start or
-    finish before ``--deadline`` (seconds since ``t0``) are recorded as not
-    run / timed out, so the table always comes out inside one device call."""
+    """Run every engine (``--jobs`` at a time, each compile group's leader
+    before the rest of its group); engines that cannot start or finish
+    before ``--deadline`` (seconds since ``t0``) are recorded as not run /
+    timed out, so the table always comes out inside one device call."""
+    from .scheduling import run_grouped
+
     done = [0]
     deadline = t0 + args.deadline if args.deadline else None
 
@@ -882,8 +935,9 @@ def run_engines(
         return name, rec
 
     items = sorted(engines.items(), key=lambda kv: _order(kv[1][0]))
-    with ThreadPoolExecutor(args.jobs) as pool:
-        return dict(pool.map(one, items))
+    return dict(
+        run_grouped(items, lambda item: compile_group(item[1][0]), one, args.jobs)
+    )
 
 
 def run_matrix(args: argparse.Namespace) -> int:
@@ -891,7 +945,7 @@ def run_matrix(args: argparse.Namespace) -> int:
 
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    cells = select(list(QUICK_CELLS) if args.quick else full_cells(), args.only)
+    cells = chosen_cells(args)
     t0 = time.time()
     ckpts = build_checkpoints(outdir / "ckpt", args.gain)
     prompts = bigram_prompts(args.prompts)
@@ -1208,6 +1262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("outdir", nargs="?")
     p.add_argument("--quick", action="store_true", help="the cells that fit 8 minutes")
     p.add_argument(
+        "--gate",
+        action="store_true",
+        help="the release gate's cells (GATE_CELLS; scripts/gpu-gate.sh runs them)",
+    )
+    p.add_argument(
         "--inject", choices=sorted(FAULTS), help="fault in the speculative engine"
     )
     p.add_argument("--only", help="filters, e.g. model=qwen3_next,cg=NONE|PIECEWISE")
@@ -1310,7 +1369,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.gain = gains
     if args.timeout is None:
         args.timeout = 240 if args.quick else 300 if args.speed else 300
-    full = not (args.quick or args.only or args.speed or args.verify_precision)
+    full = not (
+        args.quick or args.gate or args.only or args.speed or args.verify_precision
+    )
     if args.deadline is None and full:
         args.deadline = FULL_DEADLINE
     args.kvs = args.kvs.split(",")

@@ -608,10 +608,18 @@ def test_full_run_order_and_shared_compile_env(tmp_path):
     names = {c.key: c for cell in cells for c in (cell.reference(), cell)}
     assert len(names) == 132
     order = sorted(names, key=lambda k: sdm._order(names[k]))
-    # One engine per model/draft graph compiles first; eager engines last.
-    first = {names[k].kv for k in order[:22]} | {names[k].cg for k in order[:22]}
-    assert first == {"auto", "PIECEWISE", "FULL_AND_PIECEWISE"}
+    # Compiled references first (each compile group's leader is one of
+    # them), eager engines last.
+    refs = {names[k].spec for k in order[:24]} | {names[k].cg for k in order[:24]}
+    assert refs == {"none", "PIECEWISE", "FULL_AND_PIECEWISE"}
     assert {names[k].cg for k in order[-44:]} == {"NONE"}
+    leaders = {}
+    for k in order:
+        leaders.setdefault(sdm.compile_group(names[k]), names[k])
+    assert len(leaders) == 3 * len(sdm.KV_DTYPES)  # 3 checkpoints
+    assert {(c.spec, c.cg) for c in leaders.values()} == {
+        ("none", "FULL_AND_PIECEWISE")
+    }
     env = sdm.child_env(tmp_path, tmp_path / "c", 3, shared_compile=True)
     assert env["VLLM_USE_AOT_COMPILE"] == "0"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")

@@ -7,8 +7,6 @@ here yet: vLLM 0.20.2 cannot parse Gemma 4 configs with transformers >= 5.15
 (see test_tiny_configs.py).
 """
 
-import gc
-
 import pytest
 
 from .builders import qwen3_5_text, qwen3_dense, qwen3_next
@@ -26,28 +24,34 @@ MODELS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tiny_model_boots_and_generates(name, tmp_path):
-    from vllm import LLM, SamplingParams
+    from .spec_decode_matrix import child_env, spawn
 
     builder, extra = MODELS[name]
     model = builder(tmp_path / name)
-    llm = LLM(
+    engine = dict(
         model=str(model),
         load_format="dummy",
         skip_tokenizer_init=True,
         max_model_len=512,
-        gpu_memory_utilization=0.3,
+        # A fixed KV budget: engines of other tests may share the GPU, and a
+        # memory profile would count their allocations as this one's.
+        kv_cache_memory_bytes=256 * 2**20,
+        gpu_memory_utilization=0.1,
         enforce_eager=True,
         seed=0,
         **extra,
     )
-    try:
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        prompts = [{"prompt_token_ids": list(range(10 + i, 42 + i))} for i in range(4)]
-        outputs = llm.generate(prompts, params)
-        lengths = [len(o.outputs[0].token_ids) for o in outputs]
-        first = outputs[0].outputs[0].token_ids[:8]
-        print(f"{name}: generated {lengths} tokens; first: {first}")
-        assert lengths == [24] * 4
-    finally:
-        del llm
-        gc.collect()
+    prompts = [list(range(10 + i, 42 + i)) for i in range(4)]
+    # Its own process, ended without the engine's teardown: several engines
+    # torn down in one pytest process hung on the H100.
+    rec = spawn(
+        name,
+        {"engine": engine, "prompts": prompts, "max_tokens": 24},
+        tmp_path,
+        timeout=240,
+        env=child_env(tmp_path, None, num_spec=0),
+    )
+    assert "crash" not in rec, f"{rec['crash']} (log: {tmp_path / 'logs'})"
+    lengths = [len(o) for o in rec["outputs"]]
+    print(f"{name}: generated {lengths} tokens; first: {rec['outputs'][0][:8]}")
+    assert lengths == [24] * 4

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU checks of the GPU gate (tests/gpu_gate.py): what it reads from each
+lane, which row passes, the root cause it names, its exit statuses."""
+
+import json
+
+import pytest
+
+from tests import gpu_gate as gate
+from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
+
+ASSERT = (
+    "/pytorch/aten/src/ATen/native/cuda/IndexKernel.cu:193: operator(): block: "
+    "[0,0,0], thread: [3,0,0] Assertion `idx >= 0 && idx < self_dim_size && "
+    '"index_copy_(): index out of bounds"` failed.'
+)
+ENGINE_LOG = "\n".join(
+    [
+        "INFO 11-27 10:00:00 [llm_base_proposer.py:420] proposing",
+        ASSERT,
+        "Traceback (most recent call last):",
+        "RuntimeError: CUDA error: device-side assert triggered",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+        "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling "
+        "`cublasGemmEx`",
+    ]
+)
+
+
+def test_the_root_cause_is_the_first_device_assert_not_the_last_exception():
+    cause = first_root_cause(ENGINE_LOG)
+    assert "IndexKernel.cu:193" in cause and "index_copy_" in cause
+    plain = "ValueError: bad shape\nRuntimeError: Engine core initialization failed\n"
+    assert first_root_cause(plain) == "ValueError: bad shape"
+
+
+def _lane(name, rc=0, log=None):
+    return gate.Lane(name, [], 0, log=log, rc=rc, seconds=1.0)
+
+
+def test_rows_from_each_lane(tmp_path):
+    cell = {"model": "m", "kv": "k", "cg": "NONE"}
+    matrix = {
+        "rows": [
+            {**cell, "spec": "draft3", "status": "exact"},
+            {**cell, "spec": "mtp3", "status": "DIFF 1@5 tie",
+             "first_diffs": [[1, 5]], "prompts_exact": "11/12"},
+            {**cell, "spec": "ngram3", "status": "CRASH(spec)",
+             "root_cause": "IndexKernel.cu:193 ..."},
+        ],
+        "records": {"m.k.draft3.NONE": {"wall": 12.5}},
+    }  # fmt: skip
+    (tmp_path / "matrix.json").write_text(json.dumps(matrix))
+    rows = gate.spec_rows(tmp_path / "matrix.json", _lane("spec"))
+    assert [r.passed for r in rows] == [True, True, False]
+    assert rows[0].seconds == 12.5
+    assert "token 5" in rows[1].root_cause and rows[2].root_cause.startswith("Index")
+
+    (tmp_path / "suite.xml").write_text(
+        "<testsuites><testsuite>"
+        '<testcase classname="tests.kernels.a" name="t1" time="2"/>'
+        '<testcase classname="tests.kernels.a" name="t2" time="1">'
+        '<failure message="AssertionError: 0.5 &lt; 1e-3">long text</failure>'
+        '</testcase><testcase classname="tests.kernels.a" name="t3">'
+        '<skipped message="no fp16"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    rows = gate.junit_rows(tmp_path / "suite.xml", _lane("suite", rc=1))
+    assert [(r.cell, r.status, r.passed) for r in rows] == [
+        ("tests/kernels/a.py::t1", "passed", True),
+        ("tests/kernels/a.py::t2", "failed", False),
+        ("tests/kernels/a.py::t3", "skipped", True),
+    ]
+    assert rows[1].root_cause == "AssertionError: 0.5 < 1e-3"
+
+
+def test_a_lane_stopped_at_the_deadline_is_a_failed_row(tmp_path):
+    log = tmp_path / "spec.log"
+    log.write_text("  [10/48] 480s\n")
+    (row,) = gate.spec_rows(tmp_path / "missing.json", _lane("spec", "killed", log))
+    assert not row.passed and row.status == "NOT FINISHED"
+    assert row.root_cause == "[10/48] 480s"
+    table = gate.format_table([row])
+    assert "NOT FINISHED" in table[1] and "[10/48]" in table[1]
+
+
+def test_no_gpu_and_bad_arguments_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gate, "gpu_count", lambda: 0)
+    assert gate.main([str(tmp_path)]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        gate.main([str(tmp_path), "--deadline", "10"])
+    assert bad.value.code == 2
+
+
+def test_a_partial_run_never_passes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gate, "gpu_count", lambda: 1)
+
+    def serve_ok(lanes, outdir, deadline, t0):
+        (outdir / "serve").mkdir()
+        (outdir / "serve" / "serve.json").write_text(
+            json.dumps([{"lane": "serve", "cell": "server boots", "status": "ok"}])
+        )
+        for lane in lanes:
+            lane.rc, lane.seconds = 0, 1.0
+
+    monkeypatch.setattr(gate, "run_lanes", serve_ok)
+    assert gate.main([str(tmp_path), "--lanes", "serve"]) == 1
+    md = (tmp_path / "gate.md").read_text()
+    assert "PARTIAL RUN, no verdict" in md and "--lanes serve" in md
+    with pytest.raises(SystemExit) as bad:
+        gate.main([str(tmp_path), "--lanes", "serve,bogus"])
+    assert bad.value.code == 2
+    assert "unknown ['bogus']" in capsys.readouterr().err
+
+
+def test_the_table_counts_passing_test_cases_and_lists_each_failure():
+    rows = [
+        gate.Row("spec", "m.k.draft3.NONE", "exact", 30.0),
+        *(gate.Row("kernels", f"t{i}", "passed", 1.0) for i in range(3)),
+        gate.Row("kernels", "t3", "skipped", 0.0),
+        gate.Row("kernels", "t4", "failed", 2.0, "AssertionError: 0.5 < 1e-3"),
+    ]
+    shown = gate.shown_rows(rows)
+    assert [(r.lane, r.cell, r.status) for r in shown] == [
+        ("spec", "m.k.draft3.NONE", "exact"),
+        ("kernels", "3 passed, 1 skipped", "passed"),
+        ("kernels", "t4", "failed"),
+    ]
+    assert "AssertionError: 0.5 < 1e-3" in gate.format_table(shown)[-1]
