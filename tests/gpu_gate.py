@@ -45,6 +45,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
+
 # GPU-marked tests; tests/kernels runs whole (its float64 checks run natively
 # on a GPU through the ``triton_device`` fixture), and the TurboQuant x hybrid
 # matrix that test_turboquant_hybrids_generate.py wraps runs as its own lane,
@@ -135,8 +137,6 @@ def junit_rows(junit_xml: Path, lane: Lane) -> list[Row]:
 
 
 def tqm_rows(result_json: Path, lane: Lane) -> list[Row]:
-    from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
-
     if not result_json.exists():
         return [_unfinished(lane)]
     rows = []
@@ -237,8 +237,6 @@ def serve_check(outdir: Path, port: int) -> int:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     if any(not r.passed for r in rows):
-        from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
-
         cause = first_root_cause((outdir / "server.log").read_text(errors="replace"))
         for r in rows:
             if not r.passed and not r.root_cause:

@@ -79,6 +79,15 @@ def _padding_ok(report, limit: float = MAX_PADDING):
     assert page_padding <= limit, report.padding_fraction
 
 
+# Qwen3-Coder-Next with a LocoOperator-4B-shaped dense draft (k=3); the
+# main model's and the draft's paths come from ``models``.
+CODER_NEXT_DRAFT = dict(
+    kv_cache_dtype="fp8_e4m3",
+    num_speculative_tokens=3,
+    max_model_len=65536,
+    kv_cache_memory_bytes=8 * GIB,
+)
+
 # Qwen3.6-27B int4 on a 24 GB card (report #41560's command line).
 QWEN36 = dict(
     max_model_len=96000,
@@ -121,11 +130,8 @@ def test_qwen3_6_27b_boundary_layers_and_mtp(models):
 def test_qwen3_coder_next_with_locooperator_draft(models):
     report = plan(
         models["Qwen3-Coder-Next-80B-A3B"],
-        kv_cache_dtype="fp8_e4m3",
         draft=models["LocoOperator-4B"],
-        num_speculative_tokens=3,
-        max_model_len=65536,
-        kv_cache_memory_bytes=8 * GIB,
+        **CODER_NEXT_DRAFT,
     )
     _padding_ok(report)
     assert sum(report.layer_dtypes.values()) == 12 + 36

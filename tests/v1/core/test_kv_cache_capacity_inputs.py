@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.models.tiny_hybrids.shapes import write_full_size_config
-from tests.v1.core.test_kv_cache_capacity import GIB, QWEN36, capacity, plan
+from tests.v1.core.test_kv_cache_capacity import (
+    CODER_NEXT_DRAFT,
+    GIB,
+    QWEN36,
+    capacity,
+    plan,
+)
 
 NAMES = (
     "Qwen3.6-27B",
@@ -239,11 +245,8 @@ def test_padding_counts_the_engines_padding_layers(models, caplog_vllm):
     caplog_vllm.set_level(logging.DEBUG, logger="vllm")
     report = plan(
         models["Qwen3-Coder-Next-80B-A3B"],
-        kv_cache_dtype="fp8_e4m3",
         draft=models["LocoOperator-4B"],
-        num_speculative_tokens=3,
-        max_model_len=65536,
-        kv_cache_memory_bytes=8 * GIB,
+        **CODER_NEXT_DRAFT,
     )
     assert report.error is None, report.error
     warned = [
