@@ -124,7 +124,9 @@ def refresh(src: Path, repo: Path = REPO, log=print) -> list[str]:
         names.append(name)
         log(f"refreshed patches/{name}")
     (patches / "series").write_text(
-        "# Applied top to bottom by `hybridkv apply`; core/ first (see README).\n"
+        "# Applied top to bottom by `hybridkv apply`; each patch after those it depends"
+        " on. Folders name a patch's topic (core, turboquant, tools) and imply no order"
+        " (see README).\n"
         + "\n".join(names) + "\n"
     )
     write_pristine_hashes(sorted(hooked), base.version, patches / "pristine.sha256")

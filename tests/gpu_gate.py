@@ -15,7 +15,8 @@ there are (two: the matrix alone on the first; one: all on it):
   preset, with and without MTP or a draft, padded pages), against
   transformers' fp32 decode, the same preset without speculation and auto;
 * ``suite``: the other GPU tests (``pytest -m gpu`` over tests/v1,
-  tests/plugins_tests and tests/models);
+  tests/plugins_tests and tests/models), each in its own pytest process,
+  ``SUITE_JOBS`` at a time;
 * ``serve``: ``vllm serve --skip-tokenizer-init`` with TurboQuant answers a
   prompt with an out-of-vocabulary token id with HTTP 400 and keeps serving.
 
@@ -33,6 +34,7 @@ or a host without a GPU.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -56,6 +58,10 @@ TQM_TEST = "tests/models/tiny_hybrids/test_turboquant_hybrids_generate.py"
 # A diff at a flagged near-tie is rounding, not a wrong result
 # (spec_decode_matrix.compare): it passes, and the table shows it.
 PASSING = ("exact", "passed", "skipped", "ok")
+# The suite's tests boot engines, each in a process of its own; run one after
+# another beside the other lanes they did not finish in 530 s on 2 x H100.
+SUITE_JOBS = 4
+SUITE_TIMEOUT = 260
 
 
 @dataclass
@@ -136,6 +142,21 @@ def junit_rows(junit_xml: Path, lane: Lane) -> list[Row]:
     return rows
 
 
+def suite_rows(suite_dir: Path, lane: Lane) -> list[Row]:
+    nodes_json = suite_dir / "nodes.json"
+    if not nodes_json.exists():
+        return [_unfinished(lane)]
+    rows: list[Row] = []
+    for i, node in enumerate(json.loads(nodes_json.read_text())):
+        xml = suite_dir / f"{i:03d}.xml"
+        got = junit_rows(xml, lane) if xml.exists() else []
+        # A test whose own process did not write its report was stopped at
+        # the deadline (or never started): it failed, and says so.
+        rows += got or [Row(lane.name, node, "NOT FINISHED", None, _log_tail(
+            suite_dir / f"{i:03d}.log"))]
+    return rows
+
+
 def tqm_rows(result_json: Path, lane: Lane) -> list[Row]:
     if not result_json.exists():
         return [_unfinished(lane)]
@@ -158,11 +179,15 @@ def serve_rows(result_json: Path, lane: Lane) -> list[Row]:
     return [Row(**r) for r in json.loads(result_json.read_text())]
 
 
+def _log_tail(log: Path | None) -> str:
+    if not log or not log.exists():
+        return ""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln]
+    return lines[-1].strip()[:200] if lines else ""
+
+
 def _unfinished(lane: Lane) -> Row:
-    last = ""
-    if lane.log and lane.log.exists():
-        lines = [ln for ln in lane.log.read_text(errors="replace").splitlines() if ln]
-        last = lines[-1].strip()[:200] if lines else ""
+    last = _log_tail(lane.log)
     status = "NOT FINISHED" if lane.rc == "killed" else f"CRASH rc={lane.rc}"
     return Row(lane.name, f"{lane.name} (whole lane)", status, lane.seconds, last)
 
@@ -246,6 +271,59 @@ def serve_check(outdir: Path, port: int) -> int:
 
 
 # --------------------------------------------------------------------------
+# The suite lane: each GPU test in its own pytest process, a few at a time.
+# --------------------------------------------------------------------------
+
+
+def suite_run(outdir: Path, jobs: int) -> int:
+    outdir.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    # Test ids are relative to the root directory; each test's own process
+    # must read them against the same one.
+    select = ["-m", "gpu", "-p", "no:cacheprovider", f"--rootdir={os.getcwd()}",
+              f"--deselect={TQM_TEST}"]  # fmt: skip
+    listed = subprocess.run(
+        [py, "-m", "pytest", "--collect-only", "-q", *select, *SUITE_PATHS],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    nodes = [ln for ln in listed.stdout.splitlines() if "::" in ln]
+    if listed.returncode not in (0, 5):
+        print(listed.stdout[-4000:], listed.stderr[-4000:], sep="\n")
+        return 1
+    (outdir / "nodes.json").write_text(json.dumps(nodes))
+    print(f"suite: {len(nodes)} tests, {jobs} at a time", flush=True)
+    # A test that hangs fails on its own with its stack (pytest-timeout, in
+    # the GPU image), or is stopped here, instead of holding the lane.
+    if importlib.util.find_spec("pytest_timeout"):
+        select.append(f"--timeout={SUITE_TIMEOUT - 20}")
+    waiting = list(enumerate(nodes))
+    running: list[tuple[int, subprocess.Popen, float]] = []
+    failed = False
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            i, node = waiting.pop(0)
+            with open(outdir / f"{i:03d}.log", "w") as log:
+                cmd = [py, "-m", "pytest", "-v", *select,
+                       f"--junitxml={outdir / f'{i:03d}.xml'}", node]  # fmt: skip
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            running.append((i, proc, time.time()))
+        for item in list(running):
+            i, proc, started = item
+            rc = proc.poll()
+            if rc is None and time.time() - started > SUITE_TIMEOUT:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+            if rc is not None:
+                running.remove(item)
+                failed |= rc != 0
+                print(f"suite: {nodes[i]} rc={rc}", flush=True)
+        time.sleep(0.2)
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------
 # Driver.
 # --------------------------------------------------------------------------
 
@@ -281,12 +359,8 @@ def lanes_for(
                      str(outdir / "tqm.json"), "--workdir", str(outdir / "tqm"),
                      "--jobs", "8", "--deadline", spec_deadline,
                      *(["--only", tqm_only] if tqm_only else [])], other),
-        # A test that hangs fails on its own (pytest-timeout, in the GPU image)
-        # with its stack, instead of holding the lane until the deadline.
-        Lane("suite", [py, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
-                       "--timeout=240",
-                       f"--junitxml={outdir / 'suite.xml'}", f"--deselect={TQM_TEST}",
-                       *SUITE_PATHS], other),
+        Lane("suite", [py, "-m", "tests.gpu_gate", "--suite-run",
+                       str(outdir / "suite"), "--jobs", str(SUITE_JOBS)], other),
         Lane("serve", [py, "-m", "tests.gpu_gate", "--serve-check",
                        str(outdir / "serve"), "--port", "8731"], other),
     ]  # fmt: skip
@@ -417,10 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tqm-only", default=None,
                    help="tqm lane: only rows whose name contains this")  # fmt: skip
     p.add_argument("--serve-check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--suite-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8731, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_check:
         return serve_check(args.outdir, args.port)
+    if args.suite_run:
+        return suite_run(args.outdir, args.jobs)
     if args.deadline < 120 or args.jobs < 1:
         p.error("--deadline must be >= 120 seconds and --jobs >= 1")
     chosen = args.lanes.split(",")
@@ -448,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": lambda lane: spec_rows(args.outdir / "spec" / "matrix.json", lane),
         "kernels": lambda lane: junit_rows(args.outdir / "kernels.xml", lane),
         "tqm": lambda lane: tqm_rows(args.outdir / "tqm.json", lane),
-        "suite": lambda lane: junit_rows(args.outdir / "suite.xml", lane),
+        "suite": lambda lane: suite_rows(args.outdir / "suite", lane),
         "serve": lambda lane: serve_rows(args.outdir / "serve" / "serve.json", lane),
     }
     rows = [row for lane in lanes for row in readers[lane.name](lane)]

@@ -31,7 +31,8 @@ is taken on one GPU; their rows merge into one result.
 share of the memory each) and runs each repeat on all of them in turn, so a
 drift over minutes meets every configuration alike; it adds a table of each
 repeat's figure over auto's same repeat.
-Results: benchmarks/results/e2e-<time>.json and .md (or ``--out``), with
+Results: e2e-<time>.json and .md in ``--out``, else $OUT, else
+benchmarks/runs/ (git-ignored), with
 device and versions; ``--keep-logs`` also writes each configuration's engine
 log there (per-repeat tok/s, warnings). Dummy weights make outputs meaningless
 (and repetitive), which is fine for speed, not for quality.
@@ -1055,7 +1056,7 @@ def main():
         "--gpus", nargs="+", type=int, help="the GPU of each --lanes lane, in order"
     )
     ap.add_argument(
-        "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks/results")
+        "--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "runs")
     )
     ap.add_argument(
         "--keep-logs",

@@ -25,7 +25,8 @@ count) on two cases and, with ``--splits`` (default in --quick), the default
 stage 1 at other split counts on three. Caches hold real packed slots
 (the store kernel on random K/V, tiled over the cache); pages are shuffled.
 
-Writes benchmarks/results/kernels-<time>.json and .md (or --out DIR).
+Writes kernels-<time>.json and .md to --out DIR, else $OUT, else
+benchmarks/runs/ (git-ignored; release summaries go to benchmarks/releases/).
 """
 
 import argparse
@@ -42,6 +43,10 @@ import time
 from pathlib import Path
 
 import torch
+
+# Where results go without --out or $OUT: a git-ignored folder of the checkout.
+# Raw runs are not committed; a release's summary table is (benchmarks/releases/).
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "runs"
 
 
 @functools.cache
@@ -154,8 +159,8 @@ class Timer:
     # ~1 ms of GPU sleep ahead of each timed call. The decode's launch path
     # took 120-610 us (release 19's table), so a burst of slow launches could
     # outlast it: single medians of 632-1,180 us were read where the kernels
-    # took 58-136 us, once in ~50 readings (benchmarks/NOTES.md, "Release
-    # 19"); whether late launches caused them was not checked.
+    # took 58-136 us, once in ~50 readings (release 19; benchmarks/NOTES.md,
+    # "Measurement pitfalls"); whether late launches caused them was not checked.
     SLEEP_CYCLES = 2_000_000
 
     def __init__(self, iters: int, warmup: int):
@@ -1046,7 +1051,7 @@ def main():
         "--no-sweep", action="store_true", help="skip the sweeps (both) in --quick"
     )
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
     kernel_test()  # before the GPU check: a broken import shows on any host

@@ -8,7 +8,8 @@ runs each attention layer eagerly between the graph pieces. Where a layer's
 host work (Python, argument binding, launches) takes longer than its kernels,
 the GPU waits: the end-to-end profile's "gap" column. On high-load (500 x
 512 -> 128), k8v4's kernels took 215 µs per output step less GPU time than
-auto's, and its wall 8.5 ms more, all of it gap (results/e2e-20261124-100132.md).
+auto's, and its wall 8.5 ms more, all of it gap (H100, release 16's
+in-process profile; benchmarks/NOTES.md, "End to end").
 
 Per layer and step, on Qwen3-4B's attention shape (32/8 heads x 128), one
 mixed step (decode rows beside first prefill chunks), one eager decode step
@@ -53,7 +54,7 @@ STEPS = {
     # The e2e harness's first-token step (decode-heavy's prefill): 32 first
     # chunks of 64 tokens. Its GPU time is auto's within 0.4 %, yet paired
     # TTFT and prefill read 1.06-1.09x on a host where auto's step took 37 ms
-    # for 25 ms of kernels (results/e2e-20261125-025330.md).
+    # for 25 ms of kernels (H100, release 20's interleaved first-token run).
     "first-token": dict(decodes=0, context=0, prefills=32, prefill_len=64),
 }
 # GPU cycles the sleeping kernel spins (~60 ms on an H100 at 1.7 GHz): longer
@@ -392,7 +393,7 @@ def main(argv=None) -> int:
         )
         return 1
     device = torch.device("cuda")
-    out_dir = Path(args.out or REPO / "benchmarks" / "results")
+    out_dir = Path(args.out or REPO / "benchmarks" / "runs")  # git-ignored
     out_dir.mkdir(parents=True, exist_ok=True)
     prof = io.StringIO() if args.cprofile else None
     launch = {p: launch_breakdown(p, device) for p in args.presets}

@@ -16,7 +16,8 @@ key indices that differ from float64 farther than 1e-6 from a bucket midpoint
 (must be 0), slots byte-identical to 0.20.2's, value bytes identical.
 Keys/values are strided views of one ``qkv`` row, as the model passes them.
 
-Writes store-<time>.json and .md to $OUT or benchmarks/results/ (or --out).
+Writes store-<time>.json and .md to --out DIR, else $OUT, else benchmarks/runs/
+(git-ignored).
 """
 
 import argparse
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_turboquant_decode import (  # noqa: E402
+    DEFAULT_OUT,
     PAGE,
     PRESETS,
     Timer,
@@ -293,7 +295,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="2 shapes x 64/8192 tokens")
     ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
     if not torch.cuda.is_available():

@@ -39,7 +39,7 @@ GQA = {64: 4, 128: 4, 256: 6, 512: 8}
 # KV heads of the benchmarks' model shapes (Qwen3-4B, Qwen3.6-27B, Gemma 4's
 # full layers): the Gluon stage 1 compiles the cache's token stride in, and
 # one KV head's stride gave another kernel (3bit_nc at head_dim 256: 186
-# registers against 203-205 at run time; benchmarks/NOTES.md, "Release 19").
+# registers against 203-205 at run time; release 19, benchmarks/NOTES.md).
 KV_HEADS = {64: 8, 128: 8, 256: 4, 512: 4}
 SHARED_PER_SM = 228 * 1024
 

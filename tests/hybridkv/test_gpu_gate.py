@@ -128,3 +128,29 @@ def test_the_table_counts_passing_test_cases_and_lists_each_failure():
         ("kernels", "t4", "failed"),
     ]
     assert "AssertionError: 0.5 < 1e-3" in gate.format_table(shown)[-1]
+
+
+def test_the_suite_runs_each_test_in_its_own_process(tmp_path, monkeypatch):
+    tests = tmp_path / "suite_tests"
+    tests.mkdir()
+    (tests / "test_three.py").write_text(
+        "import pytest\n\n"
+        "@pytest.mark.gpu\ndef test_passes():\n    pass\n\n"
+        "@pytest.mark.gpu\ndef test_fails():\n    raise ValueError('wrong')\n\n"
+        "@pytest.mark.gpu\ndef test_stopped():\n    pass\n\n"
+        "def test_not_gpu():\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gate, "SUITE_PATHS", ("suite_tests",))
+    out = tmp_path / "suite"
+    assert gate.main([str(out), "--suite-run", "--jobs", "2"]) == 1
+    nodes = json.loads((out / "nodes.json").read_text())
+    assert [n.rsplit("::", 1)[1] for n in nodes] == [
+        "test_passes", "test_fails", "test_stopped"
+    ]  # fmt: skip
+    # The third test's report is gone, as when the deadline stops its process.
+    (out / "002.xml").unlink()
+    rows = gate.suite_rows(out, _lane("suite", rc=1))
+    assert [r.status for r in rows] == ["passed", "failed", "NOT FINISHED"]
+    assert "wrong" in rows[1].root_cause
+    assert rows[2].cell == nodes[2]
