@@ -152,8 +152,15 @@ def suite_rows(suite_dir: Path, lane: Lane) -> list[Row]:
         got = junit_rows(xml, lane) if xml.exists() else []
         # A test whose own process did not write its report was stopped at
         # the deadline (or never started): it failed, and says so.
-        rows += got or [Row(lane.name, node, "NOT FINISHED", None, _log_tail(
-            suite_dir / f"{i:03d}.log"))]
+        rows += got or [
+            Row(
+                lane.name,
+                node,
+                "NOT FINISHED",
+                None,
+                _log_tail(suite_dir / f"{i:03d}.log"),
+            )
+        ]
     return rows
 
 

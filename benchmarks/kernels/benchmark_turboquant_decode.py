@@ -729,7 +729,10 @@ def bench_splits(cases, presets, timer, bw, rows, log):
 
 
 def bench_store(shapes, presets, timer, bw, rows, log):
+    # The backend stores through the one-launch store (patch 0016); 0.20.2's
+    # launcher is timed beside it, labelled, for comparison only.
     from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+    from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 
     for label, hq, hk, D in shapes:
         for n in STORE_TOKENS:
@@ -777,21 +780,23 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                     device="cuda",
                 )
                 _, midpoints, pit = tq_tables(cfg, D)
-
-                run = functools.partial(
-                    triton_turboquant_store,
-                    k,
-                    v,
-                    cache,
-                    slots,
-                    pit,
-                    midpoints,
-                    mse_bits=cfg.key_mse_bits,
-                    key_packed_size=cfg.key_packed_size,
-                    value_quant_bits=cfg.effective_value_quant_bits,
-                    key_fp8=cfg.key_fp8,
-                )
-                us = timer(run)
+                timed = {}
+                for name, fn in (("new", turboquant_store),
+                                 ("old", triton_turboquant_store)):  # fmt: skip
+                    run = functools.partial(
+                        fn,
+                        k,
+                        v,
+                        cache,
+                        slots,
+                        pit,
+                        midpoints,
+                        mse_bits=cfg.key_mse_bits,
+                        key_packed_size=cfg.key_packed_size,
+                        value_quant_bits=cfg.effective_value_quant_bits,
+                        key_fp8=cfg.key_fp8,
+                    )
+                    timed[name] = timer(run)
                 nbytes = in_bytes + n * hk * cfg.slot_size_aligned
                 rows.append(
                     dict(
@@ -801,14 +806,16 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                         tokens=n,
                         kv=preset.removeprefix("turboquant_"),
                         bytes=nbytes,
-                        old_us=us,
+                        new_us=timed["new"],
+                        old_us=timed["old"],
                         bf16_us=bf16_us,
                     )
                 )
                 log(
-                    f"  store {label} {n:5d} tok {preset:20s} {us:8.1f} us "
-                    f"(bf16 {bf16_us and f'{bf16_us:.1f}'} us), "
-                    f"{nbytes / (us * 1e-6) / bw:5.1%} of copy bandwidth"
+                    f"  store {label} {n:5d} tok {preset:20s} shipped "
+                    f"{timed['new']:8.1f} us, 0.20.2's {timed['old']:8.1f} us "
+                    f"(bf16 {bf16_us and f'{bf16_us:.1f}'} us), shipped at "
+                    f"{nbytes / (timed['new'] * 1e-6) / bw:5.1%} of copy bandwidth"
                 )
 
 
@@ -963,22 +970,29 @@ def markdown(meta, rows, bw):
             "",
             "## Store (K/V of N tokens into the cache)",
             "",
+            "shipped = the one-launch store the backend runs (patch 0016); "
+            "0.20.2's = upstream's `triton_turboquant_store`, for comparison.",
+            "",
             *table_head(
                 "shape",
                 "tokens",
                 "KV",
-                "µs",
+                "shipped µs",
+                "shipped / bf16",
+                "0.20.2's µs",
                 "bf16 µs",
-                "% BW (read K/V + write slots)",
+                "shipped % BW (read K/V + write slots)",
             ),  # fmt: skip
         ]
         for r in store:
             if r["kv"] == "bf16":
                 continue
+            bf16 = r.get("bf16_us")
+            ratio = f"{r['new_us'] / bf16:.2f}x" if bf16 and r.get("new_us") else "n/a"
             out.append(
                 f"| {r['case']} {r['heads']} | {r['tokens']} | {r['kv']} | "
-                f"{fmt_us(r['old_us'])} | {fmt_us(r.get('bf16_us'))} | "
-                f"{fmt_pct(pct(r['bytes'], r['old_us'], bw))} |"
+                f"{fmt_us(r.get('new_us'))} | {ratio} | {fmt_us(r['old_us'])} | "
+                f"{fmt_us(bf16)} | {fmt_pct(pct(r['bytes'], r.get('new_us'), bw))} |"
             )
     return "\n".join(out) + "\n"
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""TurboQuant store: 0.20.2's launcher vs the one-launch store (patch 0015)
+"""TurboQuant store: 0.20.2's launcher vs the one-launch store (patch 0016)
 vs bf16's ``reshape_and_cache_flash``, in one process, checked on the GPU.
 
     python benchmarks/kernels/benchmark_turboquant_store.py --quick
@@ -130,7 +130,7 @@ def bench(shapes, tokens, presets, timer, bw, rows, log):
         )
     except ImportError:
         turboquant_store = None
-        log("  the installed vLLM has no one-launch store (patch 0015): old only")
+        log("  the installed vLLM has no one-launch store (patch 0016): old only")
 
     for label, hq, hk, d in shapes:
         for n in tokens:
@@ -257,7 +257,7 @@ def markdown(meta, rows):
             f"{meta['copy_bandwidth_gbs']:,.0f} GB/s. "
             "µs = median of CUDA events, L2 flushed before each call; eager = Python "
             "+ launches; graph = the call replayed from a CUDA graph (GPU time). "
-            "old = 0.20.2's `triton_turboquant_store`, new = patch 0015's "
+            "old = 0.20.2's `triton_turboquant_store`, new = patch 0016's "
             "`turboquant_store`. Flips = key indices differing from float64 "
             "farther than 1e-6 from a midpoint (far, must be 0) / within it (near)."
         ),
