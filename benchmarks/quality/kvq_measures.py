@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The KV-quality harness's figures, from engine outputs to numbers.
+
+Pure functions (no vLLM, no torch), shared by the engine child (perplexity
+from prompt logprobs, needle hits) and the parent (recall per length,
+agreement with the auto cell, ratios).
+
+Prompt logprobs, as vLLM 0.20.2 returns them for ``prompt_logprobs=0``:
+``RequestOutput.prompt_logprobs`` is one entry per prompt token, the first
+``None`` (nothing predicts it), every other a mapping from token id to a
+``Logprob`` (``.logprob``, ``.rank``) that holds the prompt token itself (the
+model runner gathers the logprob of the actual next prompt token and adds the
+top-k, here none).
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def window_nll(prompt: Sequence[int], prompt_logprobs: Sequence[Any]) -> dict:
+    """Summed negative log-likelihood of a window's tokens after its first.
+
+    ``top1``: tokens the model ranked first (rank 1), where ranks are given.
+    """
+    if prompt_logprobs is None:
+        raise ValueError("no prompt logprobs: was prompt_logprobs=0 passed?")
+    if len(prompt_logprobs) != len(prompt):
+        raise ValueError(
+            f"{len(prompt_logprobs)} prompt logprobs for {len(prompt)} tokens"
+        )
+    nll, top1 = 0.0, 0
+    for pos in range(1, len(prompt)):
+        entry = prompt_logprobs[pos]
+        token = prompt[pos]
+        try:
+            lp = entry[token]
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"position {pos}: no logprob for the prompt token {token} "
+                f"(entry {entry!r:.120})"
+            ) from e
+        nll -= float(getattr(lp, "logprob", lp))
+        top1 += getattr(lp, "rank", None) == 1
+    return {"nll": nll, "tokens": len(prompt) - 1, "top1": top1}
+
+
+def _finite(x: float) -> float | None:
+    # JSON has no inf/nan; None says "not a number" plainly.
+    return x if math.isfinite(x) else None
+
+
+def perplexity_summary(windows: Sequence[dict]) -> dict:
+    """exp(mean NLL over every scored token of every window), and per window."""
+    tokens = sum(w["tokens"] for w in windows)
+    nll = sum(w["nll"] for w in windows)
+    if tokens == 0:
+        raise ValueError("no scored tokens")
+    per_window = []
+    for w in windows:
+        mean = w["nll"] / w["tokens"]
+        per_window.append(
+            {
+                "tokens": w["tokens"],
+                "nll_mean": _finite(mean),
+                "ppl": _finite(math.exp(mean)) if mean < 700 else None,
+            }
+        )
+    mean = nll / tokens
+    return {
+        "ppl": _finite(math.exp(mean)) if mean < 700 else None,
+        "nll_mean": _finite(mean),
+        "tokens": tokens,
+        "top1_pct": 100.0 * sum(w["top1"] for w in windows) / tokens,
+        "windows": per_window,
+    }
+
+
+def needle_hit(number: str, text: str) -> bool:
+    """A hit: the needle's number appears in the decoded answer."""
+    return number in text
+
+
+def recall_summary(cases: Sequence[dict], hits: Sequence[bool]) -> dict:
+    """Recall % overall, per length and per depth (``cases``: needle metas)."""
+    if len(cases) != len(hits):
+        raise ValueError(f"{len(hits)} outcomes for {len(cases)} needle cases")
+
+    def pct(selected: list[bool]) -> float | None:
+        return 100.0 * sum(selected) / len(selected) if selected else None
+
+    per_length: dict[str, float | None] = {}
+    per_depth: dict[str, float | None] = {}
+    for length in dict.fromkeys(c["length"] for c in cases):
+        per_length[str(length)] = pct(
+            [h for c, h in zip(cases, hits) if c["length"] == length]
+        )
+    for depth in dict.fromkeys(c["depth"] for c in cases):
+        per_depth[str(depth)] = pct(
+            [h for c, h in zip(cases, hits) if c["depth"] == depth]
+        )
+    return {
+        "recall_pct": pct(list(hits)),
+        "hits": sum(hits),
+        "cases": len(hits),
+        "per_length": per_length,
+        "per_depth": per_depth,
+    }
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(ref: Sequence[Sequence[int]], out: Sequence[Sequence[int]]) -> dict:
+    """Greedy agreement of ``out`` with the reference ``ref`` (auto).
+
+    Per prompt, the tokens equal before the first difference; summed over
+    prompts and divided by the reference's token count. ``first_diff``: where
+    each prompt first differs (None: equal throughout).
+    """
+    if len(ref) != len(out):
+        raise ValueError(f"{len(out)} outputs against {len(ref)} reference ones")
+    matched = [common_prefix(r, o) for r, o in zip(ref, out)]
+    total = sum(len(r) for r in ref)
+    equal = [list(r) == list(o) for r, o in zip(ref, out)]
+    return {
+        "pct": 100.0 * sum(matched) / total if total else None,
+        "matched": sum(matched),
+        "total": total,
+        "prompts_equal": sum(equal),
+        "prompts": len(ref),
+        "first_diff": [None if e else m for e, m in zip(equal, matched)],
+    }
+
+
+def ratio(value: float | None, ref: float | None) -> float | None:
+    if value is None or not ref:
+        return None
+    return value / ref

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The KV-quality harness's Markdown: one table per model, from quality.json."""
+
+from typing import Any
+
+DASH = "—"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return DASH if x is None else format(x, fmt)
+
+
+def _int(x: int | None) -> str:
+    return DASH if x is None else f"{x:,}"
+
+
+def _skip_label(cell: dict) -> str:
+    # Only TurboQuant reads the skip list; auto and fp8 run every layer alike.
+    if not cell["kv"].startswith("turboquant_"):
+        return DASH
+    return cell["skip"]
+
+
+def _quantized(cell: dict) -> str:
+    facts = cell.get("facts") or {}
+    q, n = facts.get("quantized_layers"), facts.get("attention_layers")
+    return DASH if q is None or n is None else f"{q}/{n}"
+
+
+def header_line(meta: dict) -> str:
+    devices = meta.get("devices") or []
+    names = sorted({d.get("name", "?") for d in devices})
+    device = ", ".join(f"{len(devices)}x {n}" for n in names) if devices else "unknown"
+    v = meta.get("versions") or {}
+    versions = " · ".join(
+        f"{k} {v[k]}" for k in ("vllm", "torch", "triton") if v.get(k)
+    )
+    return (
+        f"Device: {device} · {versions} · date {meta.get('date', '?')} · "
+        f"command: `{meta.get('command', '?')}`"
+    )
+
+
+def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
+    inputs = model.get("inputs") or {}
+    lengths = [str(n) for n in (inputs.get("needle") or {}).get("lengths", [])]
+    ppl = inputs.get("ppl") or {}
+    cases = len((inputs.get("needle") or {}).get("cases", []))
+    agree = len((inputs.get("agreement") or {}).get("prompts", []))
+    lines = [
+        f"## {name}",
+        "",
+        f"Checkpoint `{model.get('dir')}`, max_model_len {model.get('context')}; "
+        f"corpus {_int(inputs.get('corpus_tokens'))} tokens. Perplexity over "
+        f"{ppl.get('windows', '?')} windows of {ppl.get('window_tokens', '?')} "
+        f"tokens; needle recall over {cases} cases (lengths "
+        f"{', '.join(lengths)}; depths 0.1-0.9); agreement: {agree} prompts x "
+        "64 greedy tokens, tokens equal to auto's before the first difference.",
+        "",
+    ]
+    head = [
+        "KV",
+        "skip layers",
+        "quantized layers",
+        "KV tokens",
+        "perplexity",
+        "x auto",
+        "needle %",
+        *(f"@{n}" for n in lengths),
+        "agree %",
+        "equal",
+        "status",
+    ]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for c in cells:
+        ppl_c = c.get("ppl") or {}
+        needle = c.get("needle") or {}
+        per_length = needle.get("per_length") or {}
+        agr = c.get("agreement") or {}
+        equal = (
+            f"{agr['prompts_equal']}/{agr['prompts']}"
+            if "prompts_equal" in agr
+            else DASH
+        )
+        row = [
+            c["kv"],
+            _skip_label(c),
+            _quantized(c),
+            _int(c.get("kv_tokens")),
+            _num(ppl_c.get("ppl"), ".3f"),
+            _num(ppl_c.get("ratio_to_auto"), ".4f"),
+            _num(needle.get("recall_pct"), ".1f"),
+            *(_num(per_length.get(n), ".0f") for n in lengths),
+            _num(agr.get("pct"), ".1f"),
+            equal,
+            c["status"],
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    meta = result.get("meta") or {}
+    lines = ["# KV-cache quality on trained weights", "", header_line(meta), ""]
+    if not meta.get("complete", True):
+        lines += ["**Partial: the run was still going when this was written.**", ""]
+    for name, model in (result.get("models") or {}).items():
+        cells = [c for c in result.get("cells", []) if c["model"] == name]
+        lines += model_table(name, model, cells)
+        lines.append("")
+    failed = [c for c in result.get("cells", []) if c["status"] != "ok"]
+    if failed:
+        lines.append("Cells that did not finish:")
+        lines.append("")
+        for c in failed:
+            cause = c.get("root_cause") or ""
+            lines.append(
+                f"- `{c['key']}`: {c['status']}" + (f" — {cause}" if cause else "")
+            )
+        lines.append("")
+    return "\n".join(lines)
