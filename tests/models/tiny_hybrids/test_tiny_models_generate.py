@@ -38,6 +38,8 @@ def test_tiny_model_boots_and_generates(name, tmp_path):
         kv_cache_memory_bytes=256 * 2**20,
         gpu_memory_utilization=0.1,
         enforce_eager=True,
+        # The child reads the engine's counters (LLM.get_metrics).
+        disable_log_stats=False,
         seed=0,
         **extra,
     )
