@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from hybridkv_lm_eval import sides
 from hybridkv_lm_eval.config import read_config_list
 
 
@@ -26,6 +27,32 @@ def pytest_addoption(parser):
         "settings, tasks and limits match one already there is reused "
         "(default: a temp dir)",
     )
+    parser.addoption(
+        "--jobs",
+        action="store",
+        type=int,
+        default=1,
+        help="engine processes to run at once (default 1: each job's engines one "
+        "after the other). Above 1, the distinct engine runs of all selected jobs "
+        "start first, this many at a time, each logging to <results-dir>/<key>.log; "
+        "the jobs' engines must then fit beside each other (a fixed "
+        "kv_cache_memory_bytes and a small gpu_memory_utilization)",
+    )
+    parser.addoption(
+        "--gpus",
+        action="store",
+        default=None,
+        help="with --jobs: comma-separated GPU ids to spread the engines over "
+        "(--tp-size of them each, the least busy first); default: leave "
+        "CUDA_VISIBLE_DEVICES alone",
+    )
+    parser.addoption(
+        "--stagger",
+        action="store",
+        type=float,
+        default=2.0,
+        help="with --jobs: seconds between two engine starts (default 2)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +66,36 @@ def results_dir(pytestconfig, tmp_path_factory) -> Path:
     path = Path(given) if given else tmp_path_factory.mktemp("lm-eval-results")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def parallel_sides(request, tp_size, results_dir) -> dict[str, sides.Side]:
+    """With --jobs > 1: run every selected job's engines up front, several at once;
+    the sides that failed, by key (empty otherwise, or when none failed)."""
+    jobs = request.config.getoption("--jobs")
+    if jobs <= 1:
+        return {}
+    gpus = request.config.getoption("--gpus")
+    configs = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec and "config_filename" in callspec.params:
+            configs.append(callspec.params["config_filename"])
+    todo = sides.plan(configs, tp_size, results_dir)
+    print(
+        f"\n{len(todo)} engine runs for {len(configs)} jobs, {jobs} at a time "
+        f"(scores and logs in {results_dir})",
+        flush=True,
+    )
+    failed = sides.run_all(
+        todo,
+        tp_size,
+        max_parallel=jobs,
+        gpus=[g.strip() for g in gpus.split(",") if g.strip()] if gpus else None,
+        echo=lambda line: print(line, flush=True),
+        stagger_seconds=request.config.getoption("--stagger"),
+    )
+    return {s.key: s for s in failed}
 
 
 def pytest_generate_tests(metafunc):

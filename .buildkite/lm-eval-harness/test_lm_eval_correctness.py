@@ -6,16 +6,18 @@ of the baseline's. Configs are in configs/*.yaml, grouped in configs/models-*.tx
 
 pytest -s -v test_lm_eval_correctness.py \
     --config-list-file=configs/models-qwen3.6-27b.txt --tp-size=1 --results-dir=results
+
+With ``--jobs N`` (N > 1) the distinct engine runs of all selected jobs are started
+first, N at a time (``--gpus 0,1`` spreads them over those GPUs), each logging to
+``<results-dir>/<key>.log``; the tests then compare what they wrote.
 """
 
-import hashlib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from hybridkv_lm_eval import config as job_config
+from hybridkv_lm_eval import sides
 from hybridkv_lm_eval.compare import compare
 
 HERE = Path(__file__).parent
@@ -23,75 +25,52 @@ HERE = Path(__file__).parent
 
 def _side_key(config: dict, role: str, tp_size: int) -> str:
     """What decides an engine's scores; equal keys give the same run."""
-    shared = {
-        k: config.get(k)
-        for k in (
-            "model_name",
-            "num_fewshot",
-            "limit",
-            "batch_size",
-            "apply_chat_template",
-            "fewshot_as_multiturn",
-            "gen_kwargs",
-            "trust_remote_code",
-            "add_bos_token",
-        )
-    }
-    # Which metrics are read from a run does not change the run.
-    shared["tasks"] = [
-        {k: v for k, v in t.items() if k != "metrics"} for t in config["tasks"]
-    ]
-    blob = json.dumps(
-        {"shared": shared, "engine": job_config.side(config, role), "tp": tp_size},
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return sides.side_key(config, role, tp_size)
 
 
 def run_side(
-    config_file: Path, config: dict, role: str, tp_size: int, results_dir: Path
+    config_file: Path,
+    config: dict,
+    role: str,
+    tp_size: int,
+    results_dir: Path,
+    parallel_failures: dict | None = None,
 ) -> dict:
-    out = results_dir / f"{_side_key(config, role, tp_size)}.json"
+    key = _side_key(config, role, tp_size)
+    out = results_dir / f"{key}.json"
+    failed = (parallel_failures or {}).get(key)
+    if failed is not None:
+        raise AssertionError(
+            f"{role} engine ({failed.describe()}, started by --jobs) exited "
+            f"{failed.returncode} without scores; the end of {failed.log}:\n"
+            + sides.log_tail(failed.log)
+        )
     if out.is_file():
-        print(
-            f"{role}: reusing {out} "
-            "(same engine, tasks and limits, run earlier in this job)"
-        )
+        print(f"{role}: reusing {out} (same engine, tasks and limits)")
     else:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(HERE), env.get("PYTHONPATH")])
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "hybridkv_lm_eval.run_side",
-            "--config",
-            str(config_file),
-            "--role",
-            role,
-            "--tp-size",
-            str(tp_size),
-            "--out",
-            str(out),
-        ]
+        cmd = sides.command(config_file, role, tp_size, out)
         print(f"{role}: {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, cwd=HERE, env=env, check=True)
+        subprocess.run(cmd, cwd=HERE, env=sides.environment(), check=True)
     run = json.loads(out.read_text())
     print(f"{role}: {run['model_args']} ({run['seconds']} s)")
     return run["results"]
 
 
-def test_lm_eval_correctness_param(config_filename, tp_size, results_dir):
+def test_lm_eval_correctness_param(
+    config_filename, tp_size, results_dir, parallel_sides
+):
     config = job_config.load(config_filename)
-    baseline = run_side(config_filename, config, "baseline", tp_size, results_dir)
-    candidate = run_side(config_filename, config, "candidate", tp_size, results_dir)
+    baseline = run_side(
+        config_filename, config, "baseline", tp_size, results_dir, parallel_sides
+    )
+    candidate = run_side(
+        config_filename, config, "candidate", tp_size, results_dir, parallel_sides
+    )
 
     comparisons = compare(config, baseline, candidate)
     for c in comparisons:
         print(c.line())
     failed = [c.line() for c in comparisons if not c.passed]
     assert not failed, (
-        f"{config_filename.name}: candidate below tolerance:\n" + "\n".join(failed)
+        f"{config_filename.name}: candidate beyond tolerance:\n" + "\n".join(failed)
     )

@@ -15,11 +15,22 @@ The keys follow vLLM's ``.buildkite/lm-eval-harness/configs/*.yaml`` (``model_na
   (a ``null`` there removes the key for the baseline);
 * ``num_fewshot`` and ``limit`` may be set per task, and a task's ``metadata``
   reaches its dataset builder (the NIAH tasks' ``context_length``, ``num_samples``).
+
+A metric may say ``higher_is_better: false`` (``compare`` knows lm-eval's
+perplexities and bits per byte as lower-is-better without it).
+
+``model_name`` and ``tokenizer`` (the baseline's too) may hold ``${VAR}``
+references to environment variables, expanded when the config is loaded: the
+real-weights jobs name ``${HYBRIDKV_REAL_WEIGHTS_DIR}/<model>``, the directory
+``python -m tests.models.real_weights.checkpoints DIR`` builds. An unset or empty
+variable is an error, and so is an expanded absolute path that does not exist.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +93,20 @@ _BASELINE_KEYS = (
     "backend",
 )
 _TASK_KEYS = ("name", "metrics", "num_fewshot", "limit", "metadata")
-_METRIC_KEYS = ("name", "rtol", "atol")
+_METRIC_KEYS = ("name", "rtol", "atol", "higher_is_better")
+
+# ${NAME} in model_name / tokenizer; nothing else is expanded ($NAME stays as is).
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_EXPANDED_KEYS = ("model_name", "tokenizer")
+REAL_WEIGHTS_ENV = "HYBRIDKV_REAL_WEIGHTS_DIR"
+_ENV_HINTS = {
+    REAL_WEIGHTS_ENV: (
+        "it names the directory holding the converted real-weights checkpoints "
+        "(<dir>/smollm2_135m, <dir>/gemma3_270m): build them from the repository "
+        "root with `python -m tests.models.real_weights.checkpoints DIR` (offline: "
+        f"add --gguf PATH for each GGUF) and export {REAL_WEIGHTS_ENV}=DIR"
+    ),
+}
 
 
 class ConfigError(ValueError):
@@ -101,6 +125,33 @@ def _check_tolerance(path, where: str, entry: dict[str, Any]) -> None:
                 _fail(path, f"{where}{key} must be a number, found {value!r}")
             if not 0 <= value < 1:
                 _fail(path, f"{where}{key} must be in [0, 1), found {value}")
+
+
+def expand_env(value: str, where: str, path: Path | str = "<config>") -> str:
+    """``value`` with each ``${VAR}`` replaced by the environment's value."""
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        found = os.environ.get(name)
+        if not found:
+            hint = _ENV_HINTS.get(name, f"export {name} before running the job")
+            _fail(
+                path,
+                f"{where} {value!r} needs the environment variable {name}, which "
+                f"is {'empty' if name in os.environ else 'unset'}: {hint}",
+            )
+        return found
+
+    expanded = _ENV_REF.sub(sub, value)
+    if expanded != value and os.path.isabs(expanded) and not os.path.exists(expanded):
+        names = sorted(set(_ENV_REF.findall(value)))
+        hints = [_ENV_HINTS[n] for n in names if n in _ENV_HINTS]
+        _fail(
+            path,
+            f"{where} {value!r} expands to {expanded}, which does not exist"
+            + (f"; {hints[0]}" if hints else ""),
+        )
+    return expanded
 
 
 def task_metadata(task: dict[str, Any]) -> dict[str, Any]:
@@ -141,6 +192,9 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
                 _fail(path, f"{key} must be {expected}, found {value!r}")
         elif default is not None:
             out[key] = default
+    for key in _EXPANDED_KEYS:
+        if isinstance(out.get(key), str):
+            out[key] = expand_env(out[key], key, path)
     if out["backend"] not in BACKENDS:
         _fail(path, f"backend must be one of {BACKENDS}, found {out['backend']!r}")
     _check_tolerance(path, "", out)
@@ -176,6 +230,14 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
                     path, f"{mwhere}: unknown keys {extra}; known: {list(_METRIC_KEYS)}"
                 )
             _check_tolerance(path, f"{mwhere}.", metric)
+            if "higher_is_better" in metric and not isinstance(
+                metric["higher_is_better"], bool
+            ):
+                _fail(
+                    path,
+                    f"{mwhere}.higher_is_better must be true or false, found "
+                    f"{metric['higher_is_better']!r}",
+                )
         if "metadata" in task and not isinstance(task["metadata"], dict):
             _fail(path, f"{where} ({task['name']}): metadata must be a mapping")
 
@@ -193,6 +255,9 @@ def validate(config: dict[str, Any], path: Path | str = "<config>") -> dict[str,
         )
     if "engine_args" in baseline and not isinstance(baseline["engine_args"], dict):
         _fail(path, "baseline.engine_args must be a mapping")
+    for key in _EXPANDED_KEYS:
+        if isinstance(baseline.get(key), str):
+            baseline[key] = expand_env(baseline[key], f"baseline.{key}", path)
     candidate, base = side(out, "candidate"), side(out, "baseline")
     if candidate == base:
         _fail(
