@@ -51,6 +51,8 @@ for model in smollm2_135m gemma3_270m; do
   done
 done
 
+# The corpus task reads its file list from tests.models.real_weights.corpus.
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

@@ -141,6 +141,17 @@ def tq_config(preset, head_dim):
     return TurboQuantConfig.from_cache_dtype(preset, head_dim)
 
 
+def store_kwargs(cfg):
+    """The preset's packed-slot constants, as the store kernels and 0.20.2's
+    decode take them."""
+    return dict(
+        mse_bits=cfg.key_mse_bits,
+        key_packed_size=cfg.key_packed_size,
+        value_quant_bits=cfg.effective_value_quant_bits,
+        key_fp8=cfg.key_fp8,
+    )
+
+
 def launched_in_time(gpu_us, host_us, sleep_us: float) -> list[float]:
     """The GPU times of the samples whose launch (``host_us``, from the start
     event to the call's return) ended within the sleep queued ahead of them
@@ -265,10 +276,7 @@ def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
         slots,
         pit,
         midpoints,
-        mse_bits=cfg.key_mse_bits,
-        key_packed_size=cfg.key_packed_size,
-        value_quant_bits=cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
+        **store_kwargs(cfg),
     )
     flat = cache.view(-1, hk * cache.shape[-1])
     src = pool.view(-1, hk * cache.shape[-1])
@@ -405,10 +413,7 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
             Pi=pit,
             centroids=centroids,
             scale=scale,
-            mse_bits=cfg.key_mse_bits,
-            key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
+            **store_kwargs(cfg),
             norm_correction=cfg.norm_correction,
             PiT=pit,
             mid_o_buf=mid,
@@ -791,10 +796,7 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                         slots,
                         pit,
                         midpoints,
-                        mse_bits=cfg.key_mse_bits,
-                        key_packed_size=cfg.key_packed_size,
-                        value_quant_bits=cfg.effective_value_quant_bits,
-                        key_fp8=cfg.key_fp8,
+                        **store_kwargs(cfg),
                     )
                     timed[name] = timer(run)
                 nbytes = in_bytes + n * hk * cfg.slot_size_aligned

@@ -40,6 +40,7 @@ from benchmark_turboquant_decode import (  # noqa: E402
     Timer,
     check_iters,
     copy_bandwidth,
+    store_kwargs,
     tq_config,
     tq_tables,
 )
@@ -192,10 +193,7 @@ def bench(shapes, tokens, presets, timer, bw, rows, log):
                         slots,
                         pit,
                         midpoints,
-                        mse_bits=cfg.key_mse_bits,
-                        key_packed_size=cfg.key_packed_size,
-                        value_quant_bits=cfg.effective_value_quant_bits,
-                        key_fp8=cfg.key_fp8,
+                        **store_kwargs(cfg),
                     )
                     try:
                         run()

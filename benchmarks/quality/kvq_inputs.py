@@ -26,19 +26,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-# Debian's licence texts: long, plain English prose present on most hosts.
-DEFAULT_CORPUS = tuple(
-    f"/usr/share/common-licenses/{name}"
-    for name in (
-        "GPL-3",
-        "GPL-2",
-        "LGPL-2.1",
-        "MPL-2.0",
-        "Apache-2.0",
-        "GFDL-1.3",
-        "Artistic",
-    )
-)
+from tests.models.real_weights.corpus import LICENCE_TEXTS
+
+DEFAULT_CORPUS = LICENCE_TEXTS
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 NEEDLE = "The secret passcode for the {word} vault is {number}."
 # Completion form: a base model answers by copying the number.

@@ -34,20 +34,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.models.real_weights.corpus import LICENCE_TEXTS
+
 CORPUS_ENV = "HYBRIDKV_PPL_CORPUS"
-LICENCE_DIR = Path("/usr/share/common-licenses")
-DEFAULT_FILES = tuple(
-    str(LICENCE_DIR / name)
-    for name in (
-        "GPL-3",
-        "GPL-2",
-        "LGPL-2.1",
-        "MPL-2.0",
-        "Apache-2.0",
-        "GFDL-1.3",
-        "Artistic",
-    )
-)
+# One list for every measurement on the real weights (the repository root is on
+# the path: run-lm-eval-real-weights.sh puts it there).
+DEFAULT_FILES = LICENCE_TEXTS
 DEFAULT_MAX_WORDS = 4096
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\f\v\r]*\n\s*")
