@@ -23,9 +23,10 @@ dense Qwen3 is the control (no Mamba cache mode). Per cell:
   tokens) with other suffixes (the screened matrix prompts). In the ``2K`` /
   ``8K`` groups the warm-up request is the prefix plus a message of its own
   (``--warm-suffix``, 512 tokens: the first user of a shared system
-  prompt); in ``2K-pre`` / ``8K-pre`` it is the prefix alone. Hit rate of the hit requests from the engine's
-  ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` counters
-  (``LLM.get_metrics()``, stats on) and per request (``num_cached_tokens``),
+  prompt); in ``2K-pre`` / ``8K-pre`` it is the prefix alone. Hit rate of
+  the hit requests from the engine's ``vllm:prefix_cache_hits`` /
+  ``vllm:prefix_cache_queries`` counters (``LLM.get_metrics()``, stats on)
+  and per request (``num_cached_tokens``),
   beside the block-granular ideal (the prefix rounded down to whole blocks)
   and what a reading of 0.20.2's align-mode scheduler predicts
   (``predicted_cached``);
