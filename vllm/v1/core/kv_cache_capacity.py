@@ -25,15 +25,23 @@ fix; a model file that exists but cannot be read raises
 is a report with ``error`` set; any other exception is a bug of the planner
 and propagates.
 
-This module only uses APIs that upstream vLLM 0.20.2 also has, plus the
-hybridkv planner when present, so it can also be loaded against an unpatched
-install, where it plans with 0.20.2's rules. ``pristine=True`` asks for those
-rules and is refused on a patched install, whose engine code plans with the
-series' rules (a mix of both would plan what neither does).
+The rules of the hybridkv series' engine modules are called, not repeated:
+the page padding model (``kv_cache_page_unify``), the hybrid block size
+(``kv_cache_page_planner``), the per-layer KV dtype and skip list
+(TurboQuant's ``layer_policy``) and the per-layer attention shapes of
+transformers >= 5.15 configs (``per_layer_config``), where this vLLM has them
+(``engine_module``). Without them the planner applies vLLM 0.20.2's rule, as
+the engine does there: an unpatched install (the module imports only APIs
+upstream 0.20.2 also has, so it can be loaded against one) or a place in the
+hybridkv series before the patch that adds the module. ``pristine=True`` asks
+for 0.20.2's rules and is refused on a patched install, whose engine code
+plans with the series' rules (a mix of both would plan what neither does).
 """
 
+import builtins
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -41,7 +49,6 @@ import logging
 import math
 import os
 import re
-import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -64,12 +71,20 @@ USAGE_CONTEXTS = {"serve": "OPENAI_API_SERVER", "llm": "LLM_CLASS"}
 # (config validation, skip-list rules, page unification, 0.20.2's bare asserts).
 ENGINE_REFUSALS = (ValueError, AssertionError, NotImplementedError)
 
+# The engine modules whose rules the planner calls (``engine_module``): the
+# page padding model and the hybrid block size (hybridkv 0004), the per-layer
+# KV dtype and skip list (0005), per-layer attention shapes (0010).
+PAGE_UNIFY = "vllm.v1.core.kv_cache_page_unify"
+PAGE_PLANNER = "vllm.v1.core.kv_cache_page_planner"
+LAYER_POLICY = "vllm.model_executor.layers.quantization.turboquant.layer_policy"
+PER_LAYER_CONFIG = "vllm.transformers_utils.per_layer_config"
+
 # The hybridkv series' engine modules that change planning (0001, 0004, 0005,
 # 0009). Present: a patched install, whose plans follow the series' rules.
 SERIES_PLANNING_MODULES = (
     "vllm.v1.core.kv_cache_planning_errors",
-    "vllm.v1.core.kv_cache_page_unify",
-    "vllm.model_executor.layers.quantization.turboquant.layer_policy",
+    PAGE_UNIFY,
+    LAYER_POLICY,
     "vllm.v1.core.kv_cache_draft_groups",
 )
 
@@ -417,6 +432,16 @@ def series_modules() -> list[str]:
     return [m for m in SERIES_PLANNING_MODULES if importlib.util.find_spec(m)]
 
 
+@functools.cache
+def engine_module(name: str) -> types.ModuleType | None:
+    """The engine module ``name`` where this vLLM has it; None on vLLM 0.20.2
+    or at a place in the hybridkv series before the patch that adds it, where
+    the engine applies 0.20.2's rule and so does the planner."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
 def _engine_default(name: str) -> Any:
     """The default of an ``EngineArgs`` field (what `vllm serve` takes)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -589,20 +614,25 @@ _KV_HEADS = (
 
 
 def _layer_config(text_config: Any, i: int) -> Any:
-    # transformers >= 5.15 keeps attention shapes that differ per layer (Gemma
-    # 4's head_dim / KV heads) in per_layer_config; reading the global
-    # attribute then raises AmbiguousGlobalPerLayerAttributeError.
-    if getattr(text_config, "is_heterogeneous", False):
-        return text_config.per_layer_config[i]
-    return text_config
+    """Layer ``i``'s config as the engine reads it: the text config, or its
+    per-layer view where transformers >= 5.15 keeps attention shapes per layer
+    (Gemma 4), read by ``per_layer_config`` (hybridkv 0010)."""
+    per_layer = engine_module(PER_LAYER_CONFIG)
+    if per_layer is None:
+        return text_config
+    return per_layer.layer_config(text_config, i)
 
 
 def _values(text_config: Any, attr: str) -> list[Any]:
     """``attr`` of ``text_config``: every layer's value where it is per-layer."""
-    if attr in (getattr(text_config, "per_layer_attributes", None) or ()):
-        layers = text_config.per_layer_config
-        return sorted({getattr(layer, attr) for layer in layers}, reverse=True)
-    return [getattr(text_config, attr, None)]
+    per_layer = engine_module(PER_LAYER_CONFIG)
+    if per_layer is None or attr not in (
+        getattr(text_config, "per_layer_attributes", None) or ()
+    ):
+        return [getattr(text_config, attr, None)]
+    layers = range(len(text_config.per_layer_config))
+    values = {getattr(_layer_config(text_config, i), attr) for i in layers}
+    return sorted(values, reverse=True)
 
 
 def tensor_parallel_problems(text_config: Any, tp: int) -> list[str]:
@@ -766,27 +796,51 @@ def _cuda_target_config_check() -> Iterator[None]:
         del current_platform.check_and_update_config
 
 
+# What vllm/platforms/cuda.py imports for a CUDA run: the kernels, which load
+# only where the NVIDIA driver (libcuda) is. Its platform rules do not use them.
+_CUDA_KERNELS = ("vllm._C", "vllm._C_stable_libtorch")
+
+
+def _import_without_cuda_kernels(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and not fromlist and name in _CUDA_KERNELS:
+        return builtins.__import__("vllm")
+    return builtins.__import__(name, globals, locals, fromlist, level)
+
+
+@functools.cache
+def _cuda_platform_module() -> types.ModuleType:
+    """``vllm.platforms.cuda``, whose rules (attention backend selection,
+    device queries) the planner asks for the target GPU.
+
+    On a host without the NVIDIA driver the module does not import: it loads
+    the CUDA kernels first. There its code is run once more, into a module of
+    the planner's own, with the kernel imports skipped (its ``__import__``);
+    nothing is registered in ``sys.modules``, so for the rest of the process
+    vLLM's CUDA platform stays as unimportable on this host as it is.
+    """
+    try:
+        return importlib.import_module("vllm.platforms.cuda")
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec("vllm.platforms.cuda")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__builtins__"] = {
+        **vars(builtins),
+        "__import__": _import_without_cuda_kernels,
+    }
+    spec.loader.exec_module(module)
+    return module
+
+
 def _cuda_platform_cls(
     capability: tuple[int, int], memory_bytes: int | None = None
 ) -> type:
     """vLLM's CUDA platform, answering for ``capability`` (and a GPU of
     ``memory_bytes``) instead of a device."""
-    stubs = []
-    # vllm.platforms.cuda loads the CUDA extensions, which need libcuda; the
-    # backend selection itself does not.
-    for name in ("vllm._C", "vllm._C_stable_libtorch"):
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                sys.modules[name] = types.ModuleType(name)
-                stubs.append(name)
-    try:
-        from vllm.platforms.cuda import CudaPlatform
-        from vllm.platforms.interface import DeviceCapability
-    finally:
-        for name in stubs:
-            del sys.modules[name]
+    from vllm.platforms.interface import DeviceCapability
+
+    CudaPlatform = _cuda_platform_module().CudaPlatform
 
     class CudaTarget(CudaPlatform):
         @classmethod
@@ -841,19 +895,15 @@ def layer_geometry(
                     attn, "sliding", heads, layer.head_dim, text.sliding_window
                 )
             )
-        elif layer is not text:
-            # Per-layer config: the full layer's own heads and head_dim.
-            heads = per_rank(layer.num_key_value_heads)
-            layers.append(LayerGeometry(attn, "full", heads, layer.head_dim))
-        elif getattr(text, "global_head_dim", None):
-            # Gemma 4: full-attention layers have their own heads and head_dim.
+        elif layer is not text or getattr(text, "global_head_dim", None):
+            # Gemma 4: full-attention layers have their own heads and head_dim,
+            # global_* in the text config, or the layer's own in a per-layer one.
             heads = (
-                getattr(text, "num_global_key_value_heads", None)
-                or text.num_key_value_heads
+                getattr(layer, "num_global_key_value_heads", None)
+                or layer.num_key_value_heads
             )
-            layers.append(
-                LayerGeometry(attn, "full", per_rank(heads), text.global_head_dim)
-            )
+            head_dim = getattr(layer, "global_head_dim", None) or layer.head_dim
+            layers.append(LayerGeometry(attn, "full", per_rank(heads), head_dim))
         else:
             heads = per_rank(model_config.get_total_num_kv_heads())
             layers.append(
@@ -910,11 +960,7 @@ def layer_kv_dtype(vllm_config: Any, layer: LayerGeometry, pristine: bool) -> st
     if pristine:
         skip = list(cache_config.kv_cache_dtype_skip_layers or [])
         return _pristine_layer_dtype(layer.name, layer.sliding_window, dtype, skip)
-    from vllm.model_executor.layers.quantization.turboquant.layer_policy import (
-        layer_kv_cache_dtype,
-    )
-
-    dtype, _ = layer_kv_cache_dtype(
+    dtype, _ = engine_module(LAYER_POLICY).layer_kv_cache_dtype(
         layer.name, layer.sliding_window, dtype, cache_config, vllm_config.model_config
     )
     return dtype
@@ -979,14 +1025,14 @@ class _CudaKernelBlocks:
 
 def unpadded_page_size_bytes(spec: Any) -> int:
     """The bytes a page of ``spec`` really stores (padding excluded): the page
-    model of ``kv_cache_page_unify``, which an unpatched vLLM lacks."""
-    try:
-        from vllm.v1.core.kv_cache_page_unify import unpadded_page_size_bytes
-    except ImportError:
-        if getattr(spec, "page_size_padded", None) is None:
-            return spec.page_size_bytes
-        return replace(spec, page_size_padded=None).page_size_bytes
-    return unpadded_page_size_bytes(spec)
+    model of ``kv_cache_page_unify``. vLLM 0.20.2 pads only Mamba pages, to
+    ``page_size_padded``."""
+    unify = engine_module(PAGE_UNIFY)
+    if unify is not None:
+        return unify.unpadded_page_size_bytes(spec)
+    if getattr(spec, "page_size_padded", None) is None:
+        return spec.page_size_bytes
+    return replace(spec, page_size_padded=None).page_size_bytes
 
 
 def plan_block_size(
@@ -1114,15 +1160,6 @@ def attention_backends(
 # --- plan ---------------------------------------------------------------------
 
 
-def has_layer_policy() -> bool:
-    return (
-        importlib.util.find_spec(
-            "vllm.model_executor.layers.quantization.turboquant.layer_policy"
-        )
-        is not None
-    )
-
-
 def _planning_engine_args_cls(target_platform: Any) -> type:
     """``EngineArgs`` whose scheduler defaults are those of the target GPU.
 
@@ -1245,16 +1282,31 @@ def _indices(indices: list[int]) -> str:
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > 12 else "")
 
 
+def _skip_rule_layers(
+    vllm_config: Any, layers: list[LayerGeometry]
+) -> tuple[list[int], list[LayerGeometry]]:
+    """(the main model's attention layer indices, the drafter's layers) as the
+    engine's skip rules count them (``layer_policy``). vLLM 0.20.2 has no
+    drafter rule and matches an index against the layer of that index."""
+    policy = engine_module(LAYER_POLICY)
+    if policy is None:
+        main = [g for g in layers if g.name.startswith("model.layers.")]
+        attention = [_layer_index(g.name) for g in main if g.kind != "mamba"]
+        drafters = [g for g in layers if not g.name.startswith("model.layers.")]
+        return sorted(attention), drafters
+    text_config = vllm_config.model_config.hf_text_config
+    num_main = text_config.num_hidden_layers
+    drafters = [g for g in layers if policy.is_draft_layer(g.name, num_main)]
+    return policy.attention_layer_indices(text_config), drafters
+
+
 def check_options_take_effect(
     req: CapacityRequest, vllm_config: Any, layers: list[LayerGeometry]
 ) -> list[str]:
     """Refuse options the engine takes and that would change nothing in this
     plan; return warnings for those that are merely redundant."""
     cache_dtype = vllm_config.cache_config.cache_dtype
-    main = [g for g in layers if g.name.startswith("model.layers.")]
-    kinds = {_layer_index(g.name): g.kind for g in main}
-    attention = sorted(i for i, kind in kinds.items() if kind != "mamba")
-    drafters = [g for g in layers if not g.name.startswith("model.layers.")]
+    attention, drafters = _skip_rule_layers(vllm_config, layers)
     entries = list(req.kv_cache_dtype_skip_layers)
     if entries and cache_dtype == "auto":
         raise CapacityInputError(
@@ -1266,7 +1318,7 @@ def check_options_take_effect(
         )
     for entry in entries:
         nothing = f"--kv-cache-dtype-skip-layers {entry}: "
-        if entry.isdigit() and kinds.get(int(entry)) == "mamba":
+        if entry.isdigit() and int(entry) not in attention:
             raise CapacityInputError(
                 f"{nothing}layer {entry} is a linear-attention (GDN/Mamba) layer; "
                 "it keeps a recurrent state, not a KV cache, so the entry would "
@@ -1456,7 +1508,7 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
     capability = parse_device_capability(req.device_capability)
     # Without the series' planning modules this is an unpatched vLLM: its
     # rules (check_request refuses pristine=True on a patched one).
-    pristine = req.pristine or not has_layer_policy()
+    pristine = req.pristine or engine_module(LAYER_POLICY) is None
     report = CapacityReport(
         model=req.model,
         kv_cache_dtype=req.kv_cache_dtype,
@@ -1572,9 +1624,3 @@ def format_report(r: CapacityReport) -> str:
     for kind, reason in r.backend_errors.items():
         lines.append(f"    {kind}: FAILS at engine start-up: {reason}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from vllm.entrypoints.cli.kv_capacity import main
-
-    sys.exit(main())
