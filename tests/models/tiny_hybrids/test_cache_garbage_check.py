@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU: what cache_garbage_check counts as agreement between runs."""
+"""What cache_garbage_check counts as agreement between runs (CPU), and its
+Gemma run (GPU)."""
+
+import pytest
 
 from .cache_garbage_check import verdict
 
@@ -22,3 +25,14 @@ def test_a_nan_or_a_changed_token_or_log_probability_fails():
     assert not ok and "tokens DIFFER" in why
     ok, why = verdict([first, _run(0x00, [[1, 2], [3]], [-10.0, -5.3])])
     assert not ok and "tokens same" in why
+
+
+@pytest.mark.gpu
+def test_gemma_with_turboquant_gives_the_same_numbers_first_and_later(tmp_path):
+    from .cache_garbage_check import main
+
+    # Gemma 3's bf16 sliding layers beside TurboQuant full-attention layers:
+    # groups that share KV-cache buffers with two layouts.
+    assert main([str(tmp_path), "--only", "gemma3_text", "--timeout", "220"]) == 0, (
+        tmp_path / "garbage.json"
+    ).read_text()

@@ -153,3 +153,100 @@ def test_flash_attention_reads_a_padded_cache_like_a_contiguous_one():
             )
         )
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def _layout_runner(groups):
+    """The runner state ``_reshape_kv_cache_tensors`` reads: attention groups
+    of ``(layer, spec, backend)``, one KV-cache group each."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = SimpleNamespace(
+        runner_only_attn_layers=set(),
+        cache_config=SimpleNamespace(cache_dtype="turboquant_4bit_nc"),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        attn_groups=[
+            [
+                SimpleNamespace(
+                    backend=backend,
+                    layer_names=[layer],
+                    kv_cache_spec=spec,
+                    kv_cache_group_id=i,
+                )
+            ]
+            for i, (layer, spec, backend) in enumerate(groups)
+        ],
+    )
+    for name in (
+        "_kv_cache_spec_attn_group_iterator",
+        "_update_hybrid_attention_mamba_layout",
+    ):
+        setattr(runner, name, getattr(GPUModelRunner, name).__get__(runner))
+    return runner
+
+
+def test_groups_sharing_a_buffer_never_share_bytes_of_different_blocks():
+    """Gemma 3/4 under TurboQuant: sliding-window layers stay bf16
+    (FlashAttention, ``(2, num_blocks, ...)``) and share each KV-cache buffer
+    with a TurboQuant full-attention layer (``(num_blocks, block, heads,
+    slot)``, its page padded). The block pool hands block ids to either group,
+    so block ``i`` of one layer must not hold any byte of block ``j != i`` of
+    the other. Unless both are laid out per block, FlashAttention's K of
+    blocks 2i and 2i + 1 is TurboQuant's block i: on a GPU the first request
+    of a fresh engine (the lowest block ids, in use by both groups at once)
+    read keys the sliding layers had overwritten, and its prompt
+    log-probabilities differed from every later run of the same prompt."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import (
+        TurboQuantAttentionBackend,
+    )
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec, TQFullAttentionSpec
+
+    # The tiny Gemma 3 of tests/models/tiny_hybrids/cache_garbage_check.py:
+    # head_dim 256, one KV head, pages unified to 81,920 B.
+    sliding = SlidingWindowSpec(
+        block_size=80,
+        num_kv_heads=1,
+        head_size=256,
+        dtype=torch.bfloat16,
+        sliding_window=64,
+    )
+    slot = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 256)
+    full = TQFullAttentionSpec(
+        block_size=304,
+        num_kv_heads=1,
+        head_size=256,
+        head_size_v=256,
+        dtype=torch.uint8,
+        tq_slot_size=slot.slot_size_aligned,
+        page_size_padded=sliding.page_size_bytes,
+    )
+    assert full.page_size_bytes == sliding.page_size_bytes
+    num_blocks = 8
+    raw = torch.zeros(num_blocks * sliding.page_size_bytes, dtype=torch.int8)
+    runner = _layout_runner(
+        [
+            ("sliding", sliding, FlashAttentionBackend),
+            ("full", full, TurboQuantAttentionBackend),
+        ]
+    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    with set_current_vllm_config(VllmConfig()):
+        caches = GPUModelRunner._reshape_kv_cache_tensors(
+            runner, {"sliding": raw, "full": raw}, [80, 304]
+        )
+    kv_sliding, kv_full = caches["sliding"], caches["full"]
+    shared = []
+    for i in range(num_blocks):
+        raw.zero_()
+        kv_sliding[:, i].fill_(1.0)  # K and V of sliding block i: bytes 0x3F80
+        for j in range(num_blocks):
+            if j != i and kv_full[j].any():
+                shared.append((i, j))
+    assert not shared, (
+        f"(sliding block, TurboQuant block) pairs sharing bytes of one buffer: {shared}"
+    )

@@ -52,3 +52,40 @@ def padded_page_view(
     strides.reverse()
     strides.insert(block_dim, page_elems)
     return torch.as_strided(raw_tensor, size=shape, stride=tuple(strides))
+
+
+def attention_layouts_differ(groups, kernel_block_sizes, cache_dtype: str) -> bool:
+    """Whether the runner must lay out every attention cache per block.
+
+    Layers of different KV-cache groups share one buffer, and the block pool
+    hands each block id to one group at a time, so block ``i`` must be the
+    same bytes in every layer of the buffer. A backend whose block dimension
+    comes first (TurboQuant, Triton), and any padded page
+    (``padded_page_view``), keep block ``i`` inside page ``i``;
+    FlashAttention's ``(2, num_blocks, ...)`` puts K of every block in the
+    first half of the buffer, so its block ``i`` overlaps pages ``i // 2``
+    and ``(num_blocks + i) // 2`` of the others. When both kinds are present
+    (Gemma's sliding-window layers kept bf16 beside TurboQuant full-attention
+    layers), the runner re-lays the K/V-first caches out per block, as it
+    does beside Mamba layers.
+
+    ``groups``: the runner's attention groups (``backend``, ``kv_cache_spec``,
+    ``kv_cache_group_id``); groups without a kernel block size are skipped.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    per_block = set()
+    for group in groups:
+        spec = group.kv_cache_spec
+        if group.kv_cache_group_id >= len(kernel_block_sizes) or not isinstance(
+            spec, AttentionSpec
+        ):
+            continue
+        block_dim = group.backend.get_kv_cache_block_dim(
+            kernel_block_sizes[group.kv_cache_group_id],
+            spec.num_kv_heads,
+            spec.head_size,
+            cache_dtype_str=cache_dtype,
+        )
+        per_block.add(block_dim == 0 or spec.page_size_padded is not None)
+    return len(per_block) > 1

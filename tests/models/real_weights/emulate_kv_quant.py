@@ -1,0 +1,563 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Emulate TurboQuant's KV-cache quantization on the CPU with HF transformers.
+
+What it does: loads a converted real checkpoint (``tests/models/real_weights``:
+``gemma3_270m`` or ``smollm2_135m``) in fp32, and replaces the attention of
+the layers vLLM would store as TurboQuant (default: full-attention layers
+minus the first/last two attention layers; ``--layers all`` = every
+full-attention layer, i.e. ``boundary:0``; or a comma list) with one that
+attends to quantize->dequantize'd keys and/or values, exactly as chunked
+prefill sees them: a query in chunk ``c`` (``--chunk`` tokens) reads the
+cached (quantized) K/V of earlier chunks and the raw K/V of its own chunk.
+
+Quantizers follow the store kernels' semantics: MSE keys = the float64
+reference of ``tests/kernels/attention/test_turboquant_store_fused.py``
+(``k / (|k| + 1e-8)``, Sylvester Hadamard / sqrt(D), bucketize against the
+fp16 Lloyd-Max midpoints), dequantized as the decode kernel does (centroids,
+optional norm correction, fp16 norm, inverse rotation); FP8 keys (k8v4) =
+plain e4m3 cast, no scale; values = per-vector asymmetric uniform
+(``(max - min) / (2^b - 1)``, round half up, fp16 scale and zero).
+
+Also: ``--stats`` prints key/value/query statistics per full-attention layer
+(max |k|, per-channel RMS spread, norms, logit range, mean-to-residual ratio,
+logit noise std of 4- and 3-bit keys,
+fp8 overflow count), and ``--fixes`` adds key variants (``mean``: subtract
+the per-layer key mean computed over the window before quantizing, which
+softmax ignores; ``sign``: random +-1 signs before the Hadamard; ``chan``:
+per-channel RMS scaling before rotation; ``sink``: keep the first 4 tokens
+unquantized; ``mean512``: the mean of the first 512 keys only).
+
+Cost (2 CPU cores, fp32): Gemma-3-270M ~12-35 s per (configuration,
+3,000-token window), SmolLM2-135M ~15 s for auto and ~160 s per quantized
+configuration (26 emulated layers); ``--stats`` adds ~1 min (Gemma) / ~4 min
+(SmolLM2); ``--check-kernels 128`` ~1 min. Default run (Gemma, 2 windows,
+13 configurations): ~10 min.
+
+Usage:
+    CUDA_VISIBLE_DEVICES= .venv/bin/python \
+        tests/models/real_weights/emulate_kv_quant.py \
+        --model gemma3_270m --windows 2 --stats
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--check-kernels" in sys.argv:
+    # Triton picks its interpreter when a kernel is defined, and vLLM stubs
+    # Triton out unless no GPU is visible: both must be set before imports.
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+LICENCES = ["GPL-3", "GPL-2", "LGPL-2.1", "MPL-2.0", "Apache-2.0", "GFDL-1.3"]
+LICENCES += ["Artistic"]
+PRESETS = {
+    # name: (key bits: 8 = fp8, value bits, norm correction)
+    "k8v4": (8, 4, False),
+    "4bit_nc": (4, 4, True),
+    "k3v4_nc": (3, 4, True),
+    "3bit_nc": (3, 3, True),
+}
+FP8_E4M3_MAX = 448.0
+
+
+# ----------------------------------------------------------------- quantizers
+
+
+def _centroids(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
+        fp16_centroids,
+    )
+
+    c = fp16_centroids(head_dim, bits).double().sort().values
+    return c, (c[:-1] + c[1:]) / 2
+
+
+def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
+    """[..., D] keys -> dequantized keys (float64), as store + decode do."""
+    from tests.kernels.attention.test_turboquant_store_fused import (
+        _hadamard,
+        _reference,
+    )
+
+    d = k.shape[-1]
+    c, mids = _centroids(d, bits)
+    x = k.double() if signs is None else k.double() * signs
+    idx, _, norm = _reference(x, mids)
+    y = c[idx]
+    if nc:
+        y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
+    norm16 = norm.to(torch.float16).double()[..., None]
+    out = (norm16 * y) @ _hadamard(d).double()
+    return out if signs is None else out * signs
+
+
+def quant_keys_fp8(k: torch.Tensor) -> torch.Tensor:
+    return k.float().to(torch.float8_e4m3fn).double()
+
+
+def quant_values(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-vector asymmetric uniform quantization, as ``_store_quantized_value``."""
+    v = v.float()
+    levels = 2**bits - 1
+    lo = v.amin(-1, keepdim=True)
+    hi = v.amax(-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(1e-8)
+    q = ((v - lo) / scale + 0.5).floor().clamp(0, levels)
+    return q.double() * scale.half().double() + lo.half().double()
+
+
+# ------------------------------------------------------------------- emulator
+
+
+class Emu:
+    """What the patched attention does in the quantized layers."""
+
+    def __init__(self):
+        self.layers: set[int] = set()
+        self.kbits = 0  # 0 = raw keys, 8 = fp8, 3/4 = MSE
+        self.vbits = 0  # 0 = raw values
+        self.nc = True
+        self.chunk = 512
+        self.fix = ""
+        self.stats: dict[int, dict] | None = None
+        self.signs: dict[int, torch.Tensor] = {}
+        self.capture: dict[int, tuple] | None = None
+
+    def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.kbits == 0:
+            return k.double()
+        if self.kbits == 8:
+            return quant_keys_fp8(k)
+        fix = self.fix
+        if fix == "sign":
+            g = torch.Generator().manual_seed(1234 + layer)
+            s = self.signs.setdefault(
+                layer,
+                (torch.randint(0, 2, (k.shape[-1],), generator=g) * 2 - 1).double(),
+            )
+            return quant_keys_mse(k, self.kbits, self.nc, s)
+        if fix in ("mean", "mean512"):
+            # softmax ignores a key offset common to all keys; "mean" takes it
+            # over the window (an oracle), "mean512" over the first 512 keys
+            # only (known after the first chunk).
+            kk = k.double() if fix == "mean" else k.double()[..., :512, :]
+            mu = kk.mean(-2, keepdim=True)
+            return quant_keys_mse(k.double() - mu, self.kbits, self.nc) + mu
+        if fix == "chan":
+            r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
+            return quant_keys_mse(k.double() / r, self.kbits, self.nc) * r
+        out = quant_keys_mse(k, self.kbits, self.nc)
+        if fix == "sink":
+            out[..., :4, :] = k[..., :4, :].double()
+        return out
+
+    def quant_v(self, v: torch.Tensor) -> torch.Tensor:
+        out = v.double() if self.vbits == 0 else quant_values(v, self.vbits)
+        if self.fix == "sink" and self.vbits:
+            out[..., :4, :] = v[..., :4, :].double()
+        return out
+
+
+EMU = Emu()
+
+
+def _record_stats(layer: int, q, k, v, scaling):
+    """q [Hq, S, D], k/v [Hk, S, D] (one sequence)."""
+    kd, vd = k.double(), v.double()
+    chan_rms = kd.pow(2).mean(-2).sqrt()  # [Hk, D]
+    mu = kd.mean(-2, keepdim=True)
+    resid = (kd - mu).norm(dim=-1)
+    knorm = kd.norm(dim=-1)
+    rot = (kd / knorm[..., None]) * math.sqrt(k.shape[-1])
+    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
+
+    rot = rot @ _hadamard(k.shape[-1]).double()
+    rep = q.shape[0] // k.shape[0]
+    logits = torch.einsum("hsd,htd->hst", q.double(), kd.repeat_interleave(rep, 0))
+    logits = logits * scaling
+    causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
+    lg = logits[:, causal]
+    # Spread of the logits a query sees: max - median over its keys (causal).
+    rows = logits[:, 256::256, :]  # sample of queries, every 256th
+    spread = []
+    for i in range(rows.shape[1]):
+        n = 256 * (i + 1) + 1
+        r = rows[:, i, :n]
+        spread.append((r.amax(-1) - r.median(-1).values).max().item())
+    # Logit noise the key quantizer adds: std over (query, key) pairs of
+    # scaling * q . (k_hat - k), for 4- and 3-bit MSE keys (norm correction).
+    qs = q.double()[:, ::8]
+    noise = {}
+    for bits in (4, 3):
+        err = quant_keys_mse(k, bits, True) - kd
+        e = torch.einsum("hsd,htd->hst", qs, err.repeat_interleave(rep, 0))
+        noise[f"logit_noise_std_{bits}bit"] = (e * scaling).std().item()
+    EMU.stats[layer] = {
+        **noise,
+        "max_abs_k": kd.abs().max().item(),
+        "k_over_448": int((kd.abs() >= 464).sum()),
+        "k_norm_median": knorm.median().item(),
+        "k_norm_max": knorm.max().item(),
+        "chan_rms_max_over_median": (chan_rms.amax(-1) / chan_rms.median(-1).values)
+        .max()
+        .item(),
+        "k_mean_norm_over_resid_rms": (
+            mu.norm(dim=-1).squeeze(-1) / resid.pow(2).mean(-1).sqrt()
+        )
+        .max()
+        .item(),
+        "rot_coord_max_sigma": rot.abs().max().item(),
+        "rot_kurtosis": (rot.pow(4).mean() / rot.pow(2).mean().pow(2)).item(),
+        "q_norm_median": q.double().norm(dim=-1).median().item(),
+        "max_abs_v": vd.abs().max().item(),
+        "v_norm_median": vd.norm(dim=-1).median().item(),
+        "logit_min": lg.min().item(),
+        "logit_max": lg.max().item(),
+        "logit_spread_max_minus_median": max(spread) if spread else float("nan"),
+    }
+
+
+def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
+    """HF attention interface: [B, H, S, D] in, [B, S, H, D] out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = module.layer_idx
+    if layer not in EMU.layers and EMU.stats is None and EMU.capture is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kw
+        )
+    if kw.get("sliding_window"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kw
+        )
+    assert query.shape[0] == 1
+    q, k, v = query[0], key[0], value[0]
+    if EMU.stats is not None:
+        _record_stats(layer, q, k, v, scaling)
+    if EMU.capture is not None:
+        EMU.capture[layer] = (q.clone(), k.clone(), v.clone(), scaling)
+    if layer not in EMU.layers:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kw
+        )
+    s = q.shape[1]
+    rep = q.shape[0] // k.shape[0]
+    kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
+    vq = EMU.quant_v(v).float().repeat_interleave(rep, 0)
+    kr, vr = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    pos = torch.arange(s)
+    chunk = pos // EMU.chunk
+    causal = pos[None, :] <= pos[:, None]
+    cached = chunk[None, :] < chunk[:, None]  # key from an earlier chunk
+    raw = causal & ~cached
+    sc_raw = torch.einsum("hsd,htd->hst", q, kr) * scaling
+    sc_q = torch.einsum("hsd,htd->hst", q, kq) * scaling
+    scores = torch.where(cached, sc_q, sc_raw).masked_fill(~causal, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hst,htd->hsd", p * raw, vr)
+    out = out + torch.einsum("hst,htd->hsd", p * cached, vq)
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+# ----------------------------------------------------- real kernels (CPU)
+
+
+def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
+    """Store the captured K/V of each layer with the backend's real store
+    kernel and attend with its real decode kernel (Triton interpreter, fp32);
+    compare with this module's float64 emulation.
+
+    Returns per (preset, layer): max |K - K_emul| / max |K|, the same for V,
+    the number of non-finite bytes decoded, and the decode output's max error
+    relative to max |out| against float64 attention over the emulated K/V.
+    """
+    from tests.kernels.attention.test_turboquant_decode_splitkv import _dequant
+    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+    from vllm.v1.attention.ops.triton_turboquant_decode import (
+        triton_turboquant_decode_attention,
+    )
+    from vllm.v1.attention.ops.triton_turboquant_store_fused import (
+        turboquant_store,
+    )
+
+    page = 16
+    out = {}
+    for preset, (kb, vb, nc) in PRESETS.items():
+        cfg = TurboQuantConfig.from_cache_dtype(f"turboquant_{preset}", 0)
+        for layer, (q, k, v, scaling) in captured.items():
+            d = k.shape[-1]
+            cfg = TurboQuantConfig.from_cache_dtype(f"turboquant_{preset}", d)
+            kt = k[:, :tokens].transpose(0, 1).contiguous().float()  # [N, Hk, D]
+            vt = v[:, :tokens].transpose(0, 1).contiguous().float()
+            n, hk = kt.shape[:2]
+            blocks = math.ceil(n / page) + 1
+            cache = torch.zeros(
+                blocks, page, hk, cfg.slot_size_aligned, dtype=torch.uint8
+            )
+            slots = torch.arange(page, page + n, dtype=torch.int64)  # block 0 unused
+            cents, mids = _centroids(d, cfg.centroid_bits)
+            H = _build_hadamard(d, "cpu")
+            turboquant_store(
+                kt,
+                vt,
+                cache,
+                slots,
+                H,
+                mids.float(),
+                mse_bits=cfg.key_mse_bits,
+                key_packed_size=cfg.key_packed_size,
+                value_quant_bits=cfg.effective_value_quant_bits,
+                key_fp8=cfg.key_fp8,
+            )
+            rows = cache.view(-1, hk, cfg.slot_size_aligned)[page : page + n]
+            k_got, v_got = _dequant(rows, cfg, cents.float(), d)
+            if not cfg.key_fp8:
+                k_got = k_got @ _hadamard(d).double()  # back from rotated space
+            k_emu = quant_keys_fp8(kt) if kb == 8 else quant_keys_mse(kt, kb, nc)
+            v_emu = quant_values(vt, vb)
+            # decode: the last `queries` positions attend to all n tokens
+            qq = q[:, n - queries : n].transpose(0, 1).contiguous().float()
+            table = torch.arange(1, blocks, dtype=torch.int32)[None].expand(queries, -1)
+            seq = torch.arange(n - queries + 1, n + 1, dtype=torch.int32)
+            got = triton_turboquant_decode_attention(
+                query=qq,
+                kv_cache=cache,
+                block_table=table.contiguous(),
+                seq_lens=seq,
+                Pi=H,
+                centroids=cents.float(),
+                scale=scaling,
+                mse_bits=cfg.key_mse_bits,
+                key_packed_size=cfg.key_packed_size,
+                value_quant_bits=cfg.effective_value_quant_bits,
+                key_fp8=cfg.key_fp8,
+                norm_correction=cfg.norm_correction,
+                PiT=H,
+            ).double()
+            rep = qq.shape[1] // hk
+            ref = torch.empty_like(got)
+            for i in range(queries):
+                m = int(seq[i])
+                kk = k_emu[:m].repeat_interleave(rep, 1)  # [m, Hq, D]
+                vv = v_emu[:m].repeat_interleave(rep, 1)
+                sc = torch.einsum("hd,mhd->hm", qq[i].double(), kk) * scaling
+                ref[i] = torch.einsum("hm,mhd->hd", sc.softmax(-1), vv)
+            out[f"{preset}@L{layer}"] = {
+                "k_err_rel": ((k_got - k_emu).abs().max() / k_emu.abs().max()).item(),
+                "v_err_rel": ((v_got - v_emu).abs().max() / v_emu.abs().max()).item(),
+                "nonfinite_decoded": int(
+                    (~k_got.isfinite()).sum() + (~v_got.isfinite()).sum()
+                ),
+                "decode_err_rel": ((got - ref).abs().max() / ref.abs().max()).item(),
+            }
+            print(
+                f"  {preset}@L{layer}: "
+                + ", ".join(
+                    f"{a}={b:.3g}" for a, b in out[f"{preset}@L{layer}"].items()
+                ),
+                flush=True,
+            )
+    return out
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def corpus_windows(tokenizer, window: int, count: int) -> list[torch.Tensor]:
+    text = "\n\n".join(
+        Path("/usr/share/common-licenses", n).read_text(errors="replace")
+        for n in LICENCES
+    )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    bos = tokenizer.bos_token_id
+    prefix = (
+        [bos] if bos is not None and "gemma" in type(tokenizer).__name__.lower() else []
+    )
+    body = window - len(prefix)
+    out = []
+    for i in range(count):
+        chunk = ids[i * body : (i + 1) * body]
+        if len(chunk) < body:
+            break
+        out.append(torch.tensor([prefix + chunk]))
+    return out
+
+
+@torch.inference_mode()
+def window_nll(lm, ids: torch.Tensor) -> tuple[float, int, torch.Tensor]:
+    """(sum NLL over tokens 1.., count, greedy argmax ids)."""
+    hidden = lm.model(input_ids=ids).last_hidden_state[0]
+    head = lm.get_output_embeddings()
+    total, greedy = 0.0, []
+    target = ids[0, 1:]
+    for a in range(0, hidden.shape[0] - 1, 256):
+        b = min(a + 256, hidden.shape[0] - 1)
+        logits = head(hidden[a:b]).float()
+        cap = getattr(lm.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        total += torch.nn.functional.cross_entropy(
+            logits, target[a:b], reduction="sum"
+        ).item()
+        greedy.append(logits.argmax(-1))
+    return total, hidden.shape[0] - 1, torch.cat(greedy)
+
+
+def default_layers(config, boundary: int) -> list[int]:
+    types = getattr(config, "layer_types", None) or ["full_attention"] * (
+        config.num_hidden_layers
+    )
+    n = len(types)
+    b = min(boundary, n // 2)
+    skip = set(range(b)) | set(range(n - b, n))
+    return [
+        i for i, t in enumerate(types) if t != "sliding_attention" and i not in skip
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3_270m")
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--window", type=int, default=3000)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--presets", default="k8v4,4bit_nc,k3v4_nc,3bit_nc")
+    ap.add_argument("--parts", default="kv,k,v", help="kv, k (keys only), v")
+    ap.add_argument(
+        "--layers", default="default", help="default | all | comma list of indices"
+    )
+    ap.add_argument("--per-layer", action="store_true", help="also each layer alone")
+    ap.add_argument("--fixes", default="", help="comma list: mean,sign,chan,sink")
+    ap.add_argument("--stats", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--check-kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="store the first N tokens of window 0 with the real Triton store "
+        "kernel (interpreter) and decode them; compare with the emulation",
+    )
+    args = ap.parse_args(argv)
+
+    import transformers
+
+    from tests.models.real_weights import checkpoints
+
+    torch.set_grad_enabled(False)
+    path = Path(args.model)
+    if not path.exists():
+        path = checkpoints.build(args.model, offline=True)
+    lm, tok = checkpoints.load(path)
+    from transformers.masking_utils import sdpa_mask
+
+    transformers.AttentionInterface.register("tq_emul", tq_attention)
+    transformers.AttentionMaskInterface.register("tq_emul", sdpa_mask)
+    lm.set_attn_implementation("tq_emul")
+    cfg = lm.config
+    if args.layers == "default":
+        layers = default_layers(cfg, 2)
+    elif args.layers == "all":
+        layers = default_layers(cfg, 0)
+    else:
+        layers = [int(x) for x in args.layers.split(",")]
+    windows = corpus_windows(tok, args.window, args.windows)
+    EMU.chunk = args.chunk
+    print(f"model {path.name}: quantized layers {layers}, {len(windows)} windows")
+
+    configs: list[tuple[str, list[int], int, int, bool, str]] = [
+        ("auto", [], 0, 0, True, "")
+    ]
+    for p in [x for x in args.presets.split(",") if x != "none"]:
+        kb, vb, nc = PRESETS[p]
+        for part in args.parts.split(","):
+            k_on, v_on = "k" in part, "v" in part
+            name = f"{p}:{part}"
+            configs.append((name, layers, kb if k_on else 0, vb if v_on else 0, nc, ""))
+            if args.per_layer and len(layers) > 1:
+                for li in layers:
+                    configs.append(
+                        (
+                            f"{name}@L{li}",
+                            [li],
+                            kb if k_on else 0,
+                            vb if v_on else 0,
+                            nc,
+                            "",
+                        )
+                    )
+            if kb != 8 and k_on:
+                for fix in filter(None, args.fixes.split(",")):
+                    vbits = vb if v_on else 0
+                    configs.append((f"{name}+{fix}", layers, kb, vbits, nc, fix))
+
+    results = {}
+    base_greedy = []
+    if args.stats:
+        EMU.stats = {}
+        EMU.layers = set()
+        window_nll(lm, windows[0])
+        print("stats (window 0):")
+        for li, st in sorted(EMU.stats.items()):
+            print(f"  layer {li}: " + ", ".join(f"{k}={v:.4g}" for k, v in st.items()))
+        results["stats"] = {str(k): v for k, v in EMU.stats.items()}
+        EMU.stats = None
+    if args.check_kernels:
+        EMU.capture, EMU.layers = {}, set()
+        window_nll(lm, windows[0][:, : args.check_kernels])
+        captured = {li: EMU.capture[li] for li in layers}
+        EMU.capture = None
+        print(f"real store/decode kernels vs emulation ({args.check_kernels} tokens):")
+        results["kernels"] = check_kernels(captured, args.check_kernels, 4)
+        if args.presets == "none":
+            configs = []
+    for name, lys, kb, vb, nc, fix in configs:
+        t0 = time.time()
+        EMU.layers, EMU.kbits, EMU.vbits, EMU.nc, EMU.fix = set(lys), kb, vb, nc, fix
+        nll, n, agree, per = 0.0, 0, 0, []
+        for w, ids in enumerate(windows):
+            s, c, g = window_nll(lm, ids)
+            nll, n = nll + s, n + c
+            per.append(math.exp(s / c))
+            if name == "auto":
+                base_greedy.append(g)
+            agree += int((g == base_greedy[w]).sum())
+        ppl = math.exp(nll / n)
+        base = results.get("auto", {}).get("ppl", ppl)
+        base_w = results.get("auto", {}).get("windows", per)
+        ratios = [a / b for a, b in zip(per, base_w)]
+        results[name] = {
+            "ppl": ppl,
+            "ratio": ppl / base,
+            "windows": per,
+            "greedy_agree": agree / n,
+        }
+        print(
+            f"{name:24s} ppl {ppl:8.4f}  x{ppl / base:.4f}  "
+            f"argmax-agree {agree / n:.3f}  per window x"
+            + " x".join(f"{r:.3f}" for r in ratios)
+            + f"  ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
