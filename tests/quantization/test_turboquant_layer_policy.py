@@ -159,10 +159,12 @@ def test_bad_skip_entries_are_named(tmp_path):
         )
 
 
-def test_dtype_map_is_logged_once(tmp_path, caplog_vllm):
+def test_dtype_map_is_logged_once(tmp_path, caplog_vllm, monkeypatch):
     from vllm.model_executor.layers.quantization.turboquant import layer_policy
 
-    layer_policy.reset_for_tests()
+    # A fresh process's policy state: no decisions recorded, nothing logged.
+    monkeypatch.setattr(layer_policy, "_DECISIONS", {})
+    monkeypatch.setattr(layer_policy, "_LOGGED", False)
     config = engine_config(tmp_path, "Qwen3-4B", kv_cache_dtype=TQ)
     for i in (0, 5):
         attention(config, f"model.layers.{i}.self_attn.attn", 8, 128)

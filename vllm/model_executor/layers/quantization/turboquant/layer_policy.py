@@ -247,9 +247,3 @@ def _short(prefix: str) -> str:
         if prefix.endswith(suffix):
             return prefix[: -len(suffix)]
     return prefix
-
-
-def reset_for_tests() -> None:
-    global _LOGGED
-    _DECISIONS.clear()
-    _LOGGED = False
