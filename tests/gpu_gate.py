@@ -47,6 +47,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tests.models.tiny_hybrids.scheduling import run_grouped
 from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
 
 # GPU-marked tests; tests/kernels runs whole (its float64 checks run natively
@@ -303,31 +304,25 @@ def suite_run(outdir: Path, jobs: int) -> int:
     # the GPU image), or is stopped here, instead of holding the lane.
     if importlib.util.find_spec("pytest_timeout"):
         select.append(f"--timeout={SUITE_TIMEOUT - 20}")
-    waiting = list(enumerate(nodes))
-    running: list[tuple[int, subprocess.Popen, float]] = []
-    failed = False
-    while waiting or running:
-        while waiting and len(running) < jobs:
-            i, node = waiting.pop(0)
-            with open(outdir / f"{i:03d}.log", "w") as log:
-                cmd = [py, "-m", "pytest", "-v", *select,
-                       f"--junitxml={outdir / f'{i:03d}.xml'}", node]  # fmt: skip
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            running.append((i, proc, time.time()))
-        for item in list(running):
-            i, proc, started = item
-            rc = proc.poll()
-            if rc is None and time.time() - started > SUITE_TIMEOUT:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-            if rc is not None:
-                running.remove(item)
-                failed |= rc != 0
-                print(f"suite: {nodes[i]} rc={rc}", flush=True)
-        time.sleep(0.2)
-    return 1 if failed else 0
+
+    def run_one(i: int) -> int:
+        with open(outdir / f"{i:03d}.log", "w") as log:
+            proc = subprocess.Popen(
+                [py, "-m", "pytest", "-v", *select,
+                 f"--junitxml={outdir / f'{i:03d}.xml'}", nodes[i]],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=SUITE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        print(f"suite: {nodes[i]} rc={rc}", flush=True)
+        return rc
+
+    # Each test is its own group: nothing waits for a leader.
+    rcs = run_grouped(range(len(nodes)), lambda i: i, run_one, jobs)
+    return 1 if any(rcs) else 0
 
 
 # --------------------------------------------------------------------------
