@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     out = run(job_config.load(ns.config), ns.role, ns.tp_size)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    # All or nothing: a scores file that exists is complete (sides.Side.failed).
+    part = ns.out.with_name(ns.out.name + ".part")
+    part.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    os.replace(part, ns.out)
     print(f"{ns.role}: wrote {ns.out} ({out['seconds']} s)", file=sys.stderr)
     return 0
 

@@ -108,9 +108,16 @@ class Side:
 
     @property
     def failed(self) -> bool:
-        return self.returncode not in (None, 0) or (
-            self.returncode == 0 and not self.out.is_file()
-        )
+        """Ended without scores. run_side writes them atomically as its last
+        step, so an engine that wrote them and then died in interpreter
+        teardown (vLLM's engine threads can abort the process after main
+        returns: "terminate called without an active exception", exit -6)
+        has finished its measurement; ``ended_after_scores`` says so."""
+        return self.returncode is not None and not self.out.is_file()
+
+    @property
+    def ended_after_scores(self) -> bool:
+        return self.returncode not in (None, 0) and self.out.is_file()
 
     def describe(self) -> str:
         return f"{self.config_file.stem} {self.role} [{self.key}]"
@@ -205,9 +212,14 @@ def run_all(
                 side.returncode = proc.returncode
                 side.seconds = round(time.monotonic() - started, 1)
                 verdict = "FAILED" if side.failed else "done"
+                after = (
+                    " after writing its scores, which are kept"
+                    if side.ended_after_scores
+                    else ""
+                )
                 echo(
                     f"{verdict} {side.describe()} in {side.seconds} s "
-                    f"(exit {proc.returncode}; "
+                    f"(exit {proc.returncode}{after}; "
                     f"{time.monotonic() - started_all:.0f} s since the first start)"
                 )
     finally:

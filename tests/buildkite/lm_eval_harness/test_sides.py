@@ -37,8 +37,12 @@ key = f"{Path(config).stem}:{role}"
 if scores.get(key) == "crash":
     sys.exit(3)
 results = scores.get(key) or scores[role]
+if results == "abort-after-scores":
+    results = scores[role]
 run = {"role": role, "model_args": {}, "results": results, "seconds": 0.3}
 out.write_text(json.dumps(run))
+if scores.get(key) == "abort-after-scores":
+    os.abort()
 """
 
 
@@ -250,6 +254,41 @@ def test_failed_side_is_reported_with_its_log(jobs, tmp_path, fake_side, monkeyp
     lines, ok = report.report(listing, results)
     assert not ok
     assert any(line.startswith("M-fp8: no scores yet for candidate") for line in lines)
+
+
+def test_scores_written_before_a_teardown_abort_are_kept(
+    jobs, tmp_path, fake_side, monkeypatch
+):
+    """An engine that wrote its scores and then aborted on the way out (exit -6)
+    finished its measurement: the job compares them, and the runner says so."""
+    monkeypatch.setenv(
+        "FAKE_SIDE_SCORES",
+        json.dumps(
+            {
+                "baseline": scores(0.9, 30.0),
+                "candidate": scores(0.9, 30.3),
+                "M-fp8:candidate": "abort-after-scores",
+            }
+        ),
+    )
+    results = tmp_path / "results"
+    todo = sides.plan(jobs[1], 1, results)
+    lines = []
+    failed = sides.run_all(
+        todo, 1, max_parallel=4, echo=lines.append, poll_seconds=0.05
+    )
+    assert failed == []
+    aborted = [s for s in todo if s.returncode not in (0, None)]
+    assert [(s.config_file.name, s.role) for s in aborted] == [
+        ("M-fp8.yaml", "candidate")
+    ]
+    assert aborted[0].ended_after_scores
+    assert any(
+        line.startswith("done M-fp8 candidate") and "after writing its scores" in line
+        for line in lines
+    )
+    lines, ok = report.report(jobs[0], results)
+    assert ok, lines
 
 
 def test_report_lines_and_markdown(jobs, tmp_path, fake_side):
