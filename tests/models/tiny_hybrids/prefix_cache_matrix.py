@@ -581,10 +581,13 @@ def cell_predictions(
 def hit_stats(
     cell: Cell, rec: dict[str, Any], phases: list[list[Request]]
 ) -> dict[str, dict[str, Any]]:
-    """Per request group: the hit requests' hit rate from the engine's
-    counters, their cached tokens (per request), what a reading of 0.20.2
-    predicts for them (``predicted_cached``) and the block-granular ideal, at
-    the engine's hit granularity."""
+    """Per request group: the hit requests' token hit rate (their cached
+    tokens over their prompt tokens, from each request's num_cached_tokens),
+    the same rate from the engine's counters where they counted (``counter_rate``:
+    on the H200 run the counters stayed at 0 in every engine with asynchronous
+    scheduling, while num_cached_tokens showed the hits), their cached tokens,
+    what a reading of 0.20.2 predicts for them (``predicted``) and the
+    block-granular ideal, at the engine's hit granularity."""
     block = hit_block(rec.get("engine") or {})
     predicted = cell_predictions(cell, block, phases, cell.model in HYBRIDS)
     out: dict[str, dict[str, Any]] = {}
@@ -598,7 +601,8 @@ def hit_stats(
             entry = {
                 "queries": counts["queries"],
                 "hits": counts["hits"],
-                "rate": counts["hits"] / counts["queries"]
+                "rate": sum(cached) / prompt if prompt else None,
+                "counter_rate": counts["hits"] / counts["queries"]
                 if counts["queries"]
                 else None,
                 "cached": cached,
@@ -637,7 +641,9 @@ def verdict(cell: Cell, row: dict[str, Any]) -> str:
         verdict_ = (
             "within TQ spread" if worst >= row["tq_spread"] else "OUTSIDE TQ spread"
         )
-    if not any((h.get("hits") or 0) > 0 for h in row.get("hit_rates", {}).values()):
+    if not any(
+        sum(h.get("cached") or []) > 0 for h in row.get("hit_rates", {}).values()
+    ):
         verdict_ += " (no hits)"
     return verdict_
 
@@ -985,6 +991,24 @@ def run_matrix(args: argparse.Namespace) -> int:
     return 0 if all(r["verdict"].startswith(("exact", "within")) for r in rows) else 1
 
 
+def table_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's rows, re-derived from its engines' records with this module's
+    reading of them (a run's JSON keeps what the engines reported)."""
+    settings = data.get("settings")
+    if not (settings and data.get("records")):
+        return data["rows"]
+    phases = build_phases(
+        tuple(settings["prefix_lens"]),
+        settings["hits"],
+        warm_suffix_len=settings["warm_suffix"],
+    )
+    names = [r["name"] for r in data["rows"]]
+    by_name = {c.name: c for c in cells()}
+    return [
+        cell_row(by_name[n], data["records"], phases, data.get("plans")) for n in names
+    ]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=f"python -m {MODULE}",
@@ -1030,6 +1054,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip the CPU plan run alongside the engines",
     )
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier run")
+    p.add_argument("--markdown", action="store_true", help="with --table: Markdown")
     p.add_argument(
         "--child", nargs=2, metavar=("ARGS", "RESULT"), help=argparse.SUPPRESS
     )
@@ -1058,8 +1083,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         sdm.child_main(args.child, run=run_child)
     if args.table:
-        data = json.loads(Path(args.table).read_text())
-        print(format_table(data["rows"]))
+        rows = table_rows(json.loads(Path(args.table).read_text()))
+        print(
+            format_markdown(rows, args.table) if args.markdown else format_table(rows)
+        )
         return 0
     return run_matrix(args)
 

@@ -280,7 +280,8 @@ def test_hit_stats_rates_ideal_and_prediction():
     assert set(stats) == {"64", "64-pre"}
     s = stats["64"]
     assert s["queries"] == 2 * 67 and s["hits"] == 48.0
-    assert s["rate"] == pytest.approx(48 / 134)
+    assert s["rate"] == pytest.approx(2 * 48 / 134)
+    assert s["counter_rate"] == pytest.approx(48 / 134)
     assert s["cached"] == [48, 48]
     assert s["ideal_rate"] == pytest.approx(2 * 64 / 134)
     assert s["predicted"] == [64, 64]
@@ -349,8 +350,20 @@ def test_boot_failures_no_hits_and_not_run():
     no_cold = {cell.name: _rec(), cell.cold().name: crash}
     assert pcm.cell_row(cell, no_cold, PHASES)["verdict"] == "NO COLD REF"
     cell = pcm.Cell("qwen3_next", "auto", "none", "align")
-    row = pcm.cell_row(cell, _records(cell, _rec(hits=0.0)), PHASES)
+    no_hits = _rec(hits=0.0, cached=[0] * len(REQUESTS))
+    row = pcm.cell_row(cell, _records(cell, no_hits), PHASES)
     assert row["verdict"] == "exact (no hits)"
+
+
+def test_hits_count_from_cached_tokens_when_the_counters_stay_at_zero():
+    """The H200 run: engines with asynchronous scheduling left the prefix-cache
+    counters at 0 while every hit request reported its cached tokens."""
+    cell = pcm.Cell("qwen3_next", "auto", "none", "align")
+    row = pcm.cell_row(cell, _records(cell, _rec(hits=0.0)), PHASES)
+    assert row["verdict"] == "exact"
+    hit = row["hit_rates"]["64"]
+    assert hit["rate"] == pytest.approx(2 * 48 / 134)
+    assert hit["counter_rate"] == 0.0
 
 
 def test_tables_render_every_row():
