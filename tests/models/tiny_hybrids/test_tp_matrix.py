@@ -2,9 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CPU checks of tp_matrix.py: engines, planner arguments, KV-token
 comparison, table, the driver with fake engines, and that every engine's
-config builds and plans under the CPU platform (TP=2 and the unrun TP=4)."""
+config (and a draft model's) builds and plans under the CPU platform."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +76,10 @@ def test_planner_argv():
     assert "--language-model-only" not in plain
     coder = tpm.planner_argv(tpm.tp4_engines(MODELS4)[1].kwargs)
     assert "--draft /m/LocoOperator-4B --num-speculative-tokens 3" in " ".join(coder)
+    # The engine's step budget: its sliding-window layers hold window + one step
+    # per request (H200: 609,270 KV tokens; planned at serve's 2048, 923,783).
+    gemma = tpm.planner_argv(tpm.tp4_engines(MODELS4)[0].kwargs)
+    assert "--max-num-batched-tokens 8192" in " ".join(gemma)
     cmd = tpm.planner_command(engines["qwen3_next.auto.none.tp2"].kwargs)
     assert cmd[cmd.index("kv-capacity") + 1 :] == plain
 
@@ -281,6 +288,17 @@ def test_driver_skips_engines_past_the_budget(tmp_path, fake_world, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and not fake_world
     assert out.count("SKIPPED") >= 4 and "gemma4" not in out.split("engine  ")[-1]
+    table = out.split("engine  ")[-1]
+    assert "CRASH" not in table  # a budget's skips are not crashes
+
+
+def test_a_timeout_is_named_as_one():
+    eng = tpm.tp2_engines(CKPTS)[0]
+    rec = {"crash": "TIMEOUT after 97s", "wall": 97.0}
+    row = tpm.engine_row(eng, rec, {}, {"kv_tokens": 5}, None)
+    assert row["status"] == "TIMEOUT" and not tpm.row_ok(row)
+    rec = {"crash": "RuntimeError: Engine core initialization failed", "wall": 9.0}
+    assert tpm.engine_row(eng, rec, {}, None, None)["status"] == "CRASH"
 
 
 @pytest.mark.parametrize("tp, only", [(2, "qwen3_next.turboquant"), (4, None)])
@@ -308,7 +326,6 @@ def test_child_dispatch(monkeypatch):
 
 
 def test_end_children_kills_descendants():
-    import subprocess
     import time
 
     import psutil
@@ -323,6 +340,98 @@ def test_end_children_kills_descendants():
     tpm.end_children(shell.pid)
     assert shell.wait(timeout=10) is not None
     assert not any(p.is_running() and p.status() != "zombie" for p in sleepers)
+
+
+class _Out:
+    def __init__(self, ids, finished):
+        self.outputs = [type("C", (), {"token_ids": ids})()]
+        self.finished = finished
+
+
+class _FakeEngine:
+    """add_request / has_unfinished_requests / step, one token per step after a
+    first step that only prefills."""
+
+    def __init__(self, tokens):
+        self.tokens, self.steps, self.added = tokens, 0, []
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, len(prompt["prompt_token_ids"])))
+
+    def has_unfinished_requests(self):
+        return self.steps <= self.tokens
+
+    def step(self):
+        self.steps += 1
+        ids = list(range(self.steps - 1))
+        return [_Out(ids, len(ids) == self.tokens)] if self.steps > 1 else []
+
+
+def test_timed_request_measures_first_token_and_decode_rate():
+    engine = _FakeEngine(tokens=5)
+    timing = tpm.timed_request(engine, [1] * 300, params=None)
+    assert engine.added == [("timed-0", 300)]
+    assert timing["token_ids"] == [0, 1, 2, 3, 4]
+    assert 0 <= timing["ttft_s"] <= timing["total_s"]
+    assert timing["decode_tok_s"] is None or timing["decode_tok_s"] > 0
+
+
+def test_draft_config_is_checked_as_the_drafter_builds_it(
+    tmp_path, capsys, monkeypatch
+):
+    """A dense draft with a shorter context than a hybrid main stops the
+    drafter's config on vLLM 0.20.2 (the H200 TP=4 run's first Coder boot):
+    the CPU check must see it before a GPU does."""
+    pytest.importorskip("vllm.v1.core.kv_cache_capacity")
+    engines = tpm.tp4_engines
+
+    def longer(models, tp=4):
+        out = engines(models, tp)
+        out[1].kwargs["max_model_len"] = 65536  # the draft's own limit is 40960
+        return out
+
+    monkeypatch.setattr(tpm, "tp4_engines", longer)
+    rc = tpm.main([str(tmp_path), "--check-configs", "--tp", "4", "--only", "coder"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "--mamba-block-size can only be set with --enable-prefix-caching" in out
+
+
+def test_gemma4_takes_token_prompts_without_a_tokenizer(tmp_path):
+    """vLLM 0.20.2 refuses token-id prompts on a skip_tokenizer_init Gemma 4 (it
+    asks the tokenizer for a chat template first): the H200 TP=4 run's first
+    long-prompt request. The child gives the renderer the default parameters."""
+    pytest.importorskip("vllm.v1.core.kv_cache_capacity")
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.renderers.registry import renderer_from_config
+
+    gemma = tpm.tp4_engines(tpm.write_tp4_models(tmp_path))[0]
+    config = EngineArgs(**gemma.kwargs).create_engine_config()
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        renderer_from_config(config).default_cmpl_tok_params  # noqa: B018
+    renderer = renderer_from_config(config)
+    tpm._token_prompts_without_tokenizer(SimpleNamespace(renderer=renderer))
+    params = renderer.default_cmpl_tok_params
+    assert params.max_total_tokens == tpm.GEMMA_31B_MAX_LEN
+    (prompt,) = renderer.render_cmpl(
+        [{"prompt_token_ids": tpm.long_prompt(64)}], params
+    )
+    assert prompt["prompt_token_ids"] == tpm.long_prompt(64)
+
+
+def test_check_configs_runs_in_a_fresh_process(tmp_path):
+    """As a command on a host without a GPU: vLLM binds its platform when its
+    modules are imported, so the planning platform must be set first."""
+    pytest.importorskip("vllm.v1.core.kv_cache_capacity")
+    cmd = [sys.executable, "-m", tpm.MODULE, str(tmp_path), "--check-configs",
+           "--tp", "4", "--only", "gemma"]  # fmt: skip
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("HYBRIDKV_TEST_PLATFORM", None)  # as a user's shell has it
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1/1 engine configs build and plan" in proc.stdout
 
 
 def test_tp4_row_reports_backends_and_prompt_length():
@@ -343,3 +452,7 @@ def test_tp4_row_reports_backends_and_prompt_length():
     table = tpm.format_table([row])
     assert "layers: TRITON_ATTN/auto x2, TURBOQUANT/turboquant_4bit_nc x1" in table
     assert "1 prompts, longest 200,704 tokens, 8 generated" in table
+    rec["timing"] = {"ttft_s": 41.2, "decode_tok_s": 20.5, "total_s": 44.3}
+    row = tpm.engine_row(gemma, rec, {}, {"kv_tokens": 5}, None)
+    table = tpm.format_table([row])
+    assert "time to first token 41.2 s, decode 20.5 tok/s, 44.3 s in all" in table

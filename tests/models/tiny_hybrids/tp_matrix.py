@@ -15,11 +15,12 @@ configuration. Then the tiny Gemma 4 multimodal model with
 ``turboquant_4bit_nc`` at TP=2, text and image+text, through
 ``python -m tests.models.tiny_hybrids.gemma4_matrix OUT.json --tp 2``.
 
-``--tp 4`` (``nvidia-h200-x4``; NOT RUN YET, only CPU-checked): dummy
-weights at full-size shapes (shapes.py): Gemma-4-31B with
-``turboquant_4bit_nc`` at max_model_len 262144 (per-layer backend map, KV
-tokens vs the planner, one request with a prompt over 200,000 tokens), and
-Qwen3-Coder-Next-80B-A3B with a LocoOperator-4B-shaped draft model (k=3).
+``--tp 4`` (``nvidia-h200-x4``, one call of up to 9 minutes): dummy weights at
+full-size shapes (shapes.py): Gemma-4-31B with ``turboquant_4bit_nc`` at
+max_model_len 262144 (per-layer backend map, KV tokens vs the planner, one
+request with a prompt over 200,000 tokens: time to first token and decode
+rate), and Qwen3-Coder-Next-80B-A3B with a LocoOperator-4B-shaped draft model
+(k=3) at the draft's context, 40960 tokens.
 
     python -m tests.models.tiny_hybrids.tp_matrix OUTDIR [--tp 2] [--cache DIR]
     python -m tests.models.tiny_hybrids.tp_matrix OUTDIR --tp 4 [--cache DIR]
@@ -71,7 +72,6 @@ _NOT_PLANNED = {
     "load_format",
     "skip_tokenizer_init",
     "max_num_seqs",
-    "max_num_batched_tokens",
     "gpu_memory_utilization",
     "seed",
     "disable_log_stats",
@@ -91,6 +91,9 @@ _PLANNED = {
     "kv_cache_memory_bytes",
     "speculative_config",
     "block_size",
+    # Sliding-window layers hold window + one step's tokens per request, so
+    # the step budget changes the reported KV tokens.
+    "max_num_batched_tokens",
     "language_model_only",
     "attention_backend",
 }
@@ -181,7 +184,12 @@ def tp4_engines(models: dict[str, str], tp: int = 4) -> list[Engine]:
         load_format="dummy",
         skip_tokenizer_init=True,
         kv_cache_dtype=TQ,
-        max_model_len=65536,
+        # The draft's own limit (40960): a longer main context stops the
+        # drafter's config at "--mamba-block-size can only be set with
+        # --enable-prefix-caching" (vLLM 0.20.2 sets the hybrid main's
+        # mamba_block_size to its max_model_len and re-validates it against
+        # the draft's).
+        max_model_len=40960,
         tensor_parallel_size=tp,
         kv_cache_memory_bytes=8 * GIB,
         gpu_memory_utilization=0.92,
@@ -203,7 +211,7 @@ def tp4_engines(models: dict[str, str], tp: int = 4) -> list[Engine]:
             "none",
             child={
                 "long_prompt_tokens": LONG_PROMPT_TOKENS,
-                "max_tokens": 8,
+                "max_tokens": 64,
                 "backend_map": True,
             },
         ),
@@ -278,6 +286,8 @@ def planner_argv(kwargs: dict[str, Any]) -> list[str]:
         argv += ["--num-speculative-tokens", str(spec["num_speculative_tokens"])]
     if kwargs.get("block_size"):
         argv += ["--block-size", str(kwargs["block_size"])]
+    if kwargs.get("max_num_batched_tokens"):
+        argv += ["--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"])]
     if kwargs.get("language_model_only"):
         argv.append("--language-model-only")
     if kwargs.get("attention_backend"):
@@ -339,6 +349,44 @@ def kv_status(engine: int | None, plan: dict[str, Any] | None) -> str:
 # --------------------------------------------------------------------------
 
 
+def _token_prompts_without_tokenizer(llm) -> None:
+    """Gemma 4's processing info asks the tokenizer for a chat template when
+    it builds the default tokenization parameters, so under vLLM 0.20.2 a
+    skip_tokenizer_init engine refuses even token-id prompts ("You cannot
+    pass text prompts"). Token-id prompts need no tokenizer: give the
+    renderer the parameters every other model gets."""
+    from vllm.multimodal.processing.context import BaseProcessingInfo
+
+    mm = llm.renderer.mm_processor
+    if mm is not None:
+        params = BaseProcessingInfo.get_default_tok_params(mm.info)
+        llm.renderer.__dict__["default_cmpl_tok_params"] = params
+
+
+def timed_request(engine, prompt: list[int], params) -> dict[str, Any]:
+    """One request through the engine's step loop: time to first token, then
+    the decode rate over the remaining tokens (``LLM.generate`` gives neither)."""
+    engine.add_request("timed-0", {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    first = None
+    token_ids: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            token_ids = list(out.outputs[0].token_ids)
+            if first is None and token_ids:
+                first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    decoded = len(token_ids) - 1
+    return {
+        "token_ids": token_ids,
+        "ttft_s": round(first, 3) if first is not None else None,
+        "total_s": round(total, 3),
+        "decode_tok_s": round(decoded / (total - first), 1)
+        if first is not None and decoded > 0 and total > first
+        else None,
+    }
+
+
 def run_child(args: dict[str, Any]) -> dict[str, Any]:
     if not (args.get("long_prompt_tokens") or args.get("random_prompts")):
         return sdm.run_child(args)
@@ -354,14 +402,21 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
         except Exception as e:  # a report, not a requirement
             result["backends"] = f"unavailable: {type(e).__name__}: {e}"
         print("BACKENDS", json.dumps(result["backends"]), flush=True)
-    if args.get("long_prompt_tokens"):
-        prompts = [long_prompt(args["long_prompt_tokens"])]
-    else:
-        num, length = args["random_prompts"]
-        prompts = [long_prompt(length, seed=i) for i in range(num)]
+    if args["engine"].get("skip_tokenizer_init"):
+        _token_prompts_without_tokenizer(llm)
     params = SamplingParams(
         max_tokens=args.get("max_tokens", 8), temperature=0.0, ignore_eos=True
     )
+    if args.get("long_prompt_tokens"):
+        prompt = long_prompt(args["long_prompt_tokens"])
+        timing = timed_request(llm.llm_engine, prompt, params)
+        result["outputs"] = [timing.pop("token_ids")]
+        result["prompt_tokens"] = [len(prompt)]
+        result["timing"] = timing
+        result["metrics"] = sdm.spec_metrics(llm.get_metrics())
+        return result
+    num, length = args["random_prompts"]
+    prompts = [long_prompt(length, seed=i) for i in range(num)]
     start = time.perf_counter()
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
@@ -426,7 +481,9 @@ def engine_row(
     if plan and plan.get("error"):
         row["plan_error"] = str(plan["error"])[:300]
     if "crash" in rec:
-        row["status"] = "CRASH"
+        # The run's own limits are not the engine's failure: name them.
+        kind = rec["crash"].split(" ", 1)[0].rstrip(":")
+        row["status"] = kind if kind in ("TIMEOUT", "SKIPPED") else "CRASH"
         row["crash"] = rec["crash"]
         return row
     outs = rec.get("outputs") or []
@@ -443,7 +500,7 @@ def engine_row(
     m = rec.get("metrics") or {}
     row["histogram"] = m.get("histogram")
     row["mean_accept_len"] = m.get("mean_accept_len")
-    for key in ("prompt_tokens", "backends"):
+    for key in ("prompt_tokens", "backends", "timing"):
         if key in rec:
             row[key] = rec[key]
     return row
@@ -522,6 +579,12 @@ def format_table(
             out.append(
                 f"  {r['engine']}: {len(r['prompt_tokens'])} prompts, longest "
                 f"{max(r['prompt_tokens']):,} tokens, {r.get('generated')} generated"
+            )
+        if r.get("timing"):
+            tm = r["timing"]
+            out.append(
+                f"  {r['engine']}: time to first token {tm['ttft_s']} s, decode "
+                f"{tm['decode_tok_s']} tok/s, {tm['total_s']} s in all"
             )
     good = sum(row_ok(r) for r in rows)
     out.append(f"{good}/{len(rows)} engines ran, equal where compared, KV = plan")
@@ -705,12 +768,35 @@ def run_matrix(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def draft_config_builds(vllm_config) -> None:
+    """Build the draft model's VllmConfig as vLLM 0.20.2's draft-model proposer
+    does when it loads (v1/spec_decode/draft_model.py, _create_draft_vllm_config):
+    the main config with the draft's model and parallel configs. Its validators
+    run again there, on the worker, after the engine config was accepted."""
+    from vllm.config.utils import replace
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    replace(
+        vllm_config,
+        quant_config=None,
+        parallel_config=spec.draft_parallel_config,
+        model_config=spec.draft_model_config,
+    )
+
+
 def check_configs(args: argparse.Namespace) -> int:
-    """Build every engine's VllmConfig and plan it with the planner's own
-    argument parser, without starting anything (a CPU platform is enough)."""
+    """Build every engine's VllmConfig (and a draft model's, as its worker
+    will) and plan it with the planner's own argument parser, without starting
+    anything (no GPU needed)."""
+    from vllm.v1.core.kv_cache_capacity import plan_capacity, use_planning_platform
+
+    # First: vLLM modules bind the platform when imported, and a host without
+    # a GPU resolves none that can build a config.
+    use_planning_platform()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.cli.kv_capacity import make_parser, request_from_args
-    from vllm.v1.core.kv_cache_capacity import plan_capacity, use_planning_platform
 
     outdir = Path(args.outdir)
     if args.tp == 2:
@@ -724,11 +810,10 @@ def check_configs(args: argparse.Namespace) -> int:
     failed = 0
     for eng in engines:
         try:
-            EngineArgs(**eng.kwargs).create_engine_config()
+            draft_config_builds(EngineArgs(**eng.kwargs).create_engine_config())
             request = request_from_args(
                 make_parser().parse_args(planner_argv(eng.kwargs))
             )
-            use_planning_platform()
             report = plan_capacity(request)
             if report.error:
                 raise RuntimeError(report.error)
@@ -738,8 +823,8 @@ def check_configs(args: argparse.Namespace) -> int:
             )
         except Exception as e:
             failed += 1
-            first = (str(e).splitlines() or [""])[0]
-            print(f"  {eng.name}: {type(e).__name__}: {first[:200]}")
+            # pydantic puts the reason on the lines after its header.
+            print(f"  {eng.name}: {type(e).__name__}: {' '.join(str(e).split())[:400]}")
     print(f"{len(engines) - failed}/{len(engines)} engine configs build and plan")
     return 1 if failed else 0
 
@@ -763,7 +848,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="seconds for the whole run (default 450 at TP=2, 540 at TP=4)",
     )
-    p.add_argument("--timeout", type=float, default=240, help="seconds per engine")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per engine (default 240 at TP=2; 330 at TP=4, where the "
+        "80B MoE with its draft took longer than 221 s to boot with cold caches)",
+    )
     p.add_argument(
         "--min-engine-time",
         type=float,
@@ -792,6 +883,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.budget = 450 if args.tp == 2 else 540
     if args.jobs is None:
         args.jobs = 2 if args.tp == 2 else 1
+    if args.timeout is None:
+        args.timeout = 240 if args.tp == 2 else 330
     if args.jobs < 1:
         p.error("--jobs: at least 1")
     return args
