@@ -50,16 +50,16 @@ DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "runs"
 
 
 @functools.cache
-def kernel_test():
-    """The kernel test module, whose float64 decoding of packed slots
-    (``_dequant``) and kernel call (``_call``) this benchmark uses too, from
-    this checkout: run as a file, only the script's own folder is on
-    sys.path. Loaded after the arguments are read: it imports vLLM, ~10 s
-    that a mistyped flag should not wait for."""
+def packed_slots():
+    """The float64 decoding of packed slots and the preset-argument decode
+    call that the kernel tests use too (tests/kernels/attention/
+    turboquant_packed.py), from this checkout: run as a file, only the
+    script's own folder is on sys.path. Loaded after the arguments are read:
+    it imports vLLM, ~10 s that a mistyped flag should not wait for."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.kernels.attention import test_turboquant_decode_splitkv
+    from tests.kernels.attention import turboquant_packed
 
-    return test_turboquant_decode_splitkv
+    return turboquant_packed
 
 
 PRESETS = [
@@ -296,7 +296,7 @@ def reference_error(out, q, cache, block_table, seq_lens, cfg, centroids, pit, r
         n = int(seq_lens[row])
         pos = torch.arange(n, device=cache.device)
         slots = cache[block_table[row, pos // PAGE].long(), pos % PAGE].cpu()
-        k, v = kernel_test()._dequant(slots, cfg, centroids, D)  # [n, Hk, D]
+        k, v = packed_slots().dequantize(slots, cfg, centroids, D)  # [n, Hk, D]
         qr = q[row].double().cpu()
         if not cfg.key_fp8:
             qr = qr @ pit.double().cpu()
@@ -455,7 +455,7 @@ def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     hadamard = not cfg.key_fp8 and splitkv.is_backend_hadamard(pit)
-    call = kernel_test()._call
+    call = packed_slots().decode
     return lambda: call(
         q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale,
         hadamard_query=hadamard, **launch,
@@ -1070,7 +1070,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
-    kernel_test()  # before the GPU check: a broken import shows on any host
+    packed_slots()  # before the GPU check: a broken import shows on any host
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     import triton

@@ -17,15 +17,15 @@ import importlib
 
 import pytest
 import torch
-
-from tests.kernels.attention.test_turboquant_decode_splitkv import (
-    _call,
-    _case,
-    _filled_cache,
-    _tables,
-)
 from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
+)
+
+from tests.kernels.attention.turboquant_packed import (
+    decode,
+    packed_case,
+    stored_cache,
+    tables,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
@@ -92,11 +92,11 @@ def _launch_keys(monkeypatch, preset, gluon, batches):
         ),
     )
     monkeypatch.setattr(gluon_decode, "_tables", {})
-    cfg, centroids, pit, cache, table = _case(preset, D, [40], HK, "cpu")
+    cfg, centroids, pit, cache, table = packed_case(preset, D, [40], HK, "cpu")
     mid = torch.empty(ROWS, HQ, 32, D + 1)
     out = torch.empty(max(batches), HQ, D, dtype=torch.bfloat16)
     for batch in batches:
-        _call(
+        decode(
             torch.randn(batch, HQ, D).to(torch.bfloat16),
             cache,
             table[:1].repeat(batch, 1),  # the backend's: one stride
@@ -148,8 +148,8 @@ def test_decode_compiles_once_for_every_batch_size_gpu(preset):
     device = "cuda"
     torch.manual_seed(11)
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
-    centroids, midpoints, pit = _tables(cfg, D, device)
-    cache, table = _filled_cache(cfg, [600], HK, D, device, pit, midpoints)
+    centroids, midpoints, pit = tables(cfg, D, device)
+    cache, table = stored_cache(cfg, [600], HK, D, device, pit, midpoints)
     mid = torch.empty(ROWS, HQ, 32, D + 1, device=device)
     out = torch.empty(96, HQ, D, dtype=torch.bfloat16, device=device)
 
@@ -165,7 +165,7 @@ def test_decode_compiles_once_for_every_batch_size_gpu(preset):
         return sum(len(c) for c in caches)
 
     def decode(batch):
-        return _call(
+        return decode(
             torch.randn(batch, HQ, D, device=device).to(torch.bfloat16),
             cache,
             table[:1].repeat(batch, 1),

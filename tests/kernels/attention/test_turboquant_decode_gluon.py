@@ -26,23 +26,24 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-from tests.kernels.attention import gluon_numpy
-from tests.kernels.attention import test_turboquant_decode_splitkv as splitkv_tests
-from tests.kernels.attention.test_turboquant_decode_splitkv import (
-    PRESETS,
-    TOL,
-    _call,
-    _filled_cache,
-    _fp16_bytes,
-    _poisoned,
-    _reference,
-    _run,
-    _tables,
-)
 from vllm.logger import _print_info_once
+from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
+)
+
+from tests.kernels.attention import gluon_numpy, turboquant_packed
+from tests.kernels.attention.turboquant_packed import (
+    PRESETS,
+    TOL,
+    check_decode,
+    decode,
+    fp16_bytes,
+    packed_case,
+    poisoned,
+    reference_attention,
+    stored_cache,
+    tables,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
@@ -90,7 +91,7 @@ CASES = [
 def test_gluon_stage1_matches_float64(
     triton_interpret, gluon_on_numpy, preset, head_dim, gqa, seq_lens, splits
 ):
-    _run(
+    check_decode(
         triton_interpret,
         preset,
         head_dim,
@@ -107,11 +108,11 @@ def test_gluon_stage1_serves_padded_pages_and_verify_rows(
 ):
     # An even page padding keeps 16/32-bit words; verify rows share a block
     # table row with growing lengths (patch 0008), padding rows are empty.
-    _run(
+    check_decode(
         triton_interpret, "turboquant_k8v4", 128, 6, [19, 45, 0], splits=2, pad_bytes=96
     )
     lens = [29, 30, 31, 32, 0]
-    _run(
+    check_decode(
         triton_interpret,
         "turboquant_4bit_nc",
         128,
@@ -158,7 +159,9 @@ def test_a_program_reads_its_query_once_beside_its_first_block(
     after the length, an MSE program at head_dim 256 spent 10 of 99 us
     before its first tile (H100, 16 x 8K)."""
     group = 6
-    _run(triton_interpret, "turboquant_4bit_nc", head_dim, group, [40], splits=1)
+    check_decode(
+        triton_interpret, "turboquant_4bit_nc", head_dim, group, [40], splits=1
+    )
     assert gluon_on_numpy
     loads = load_log[(0, 0, 0)]
     # The rotated query is the only fp32 buffer a program reads.
@@ -179,7 +182,7 @@ def test_an_empty_split_loads_only_its_row_length(
     NaN-poisoned, so a missing lse would show)."""
     # 16 tokens per split at least: row 0 fills splits 0-1 of 4, row 1 0-2.
     # Program ids are (KV head, row, split).
-    _run(triton_interpret, preset, 128, 4, [19, 45], num_kv_heads=1, splits=4)
+    check_decode(triton_interpret, preset, 128, 4, [19, 45], num_kv_heads=1, splits=4)
     loads = {pid: len(entries) for pid, entries in load_log.items()}
     assert len(loads) == 8
     empty = {pid for pid, n in loads.items() if n == 1}
@@ -195,7 +198,7 @@ def test_a_batch_of_short_rows_sends_its_live_splits_first(
     interleaved with the empty ones (splits first), 150 rows of 640 tokens
     at 9 splits took 121 us on an H100 where they take 100 now."""
     # 3 rows of 40 tokens, 8 splits of at least 16 tokens: splits 0-2 live.
-    _run(
+    check_decode(
         triton_interpret, "turboquant_k8v4", 128, 4, [40] * 3, num_kv_heads=2, splits=8
     )
     assert gluon_on_numpy == [(2, 3, 8)]
@@ -210,7 +213,7 @@ def test_a_small_batch_splits_into_the_spare_scratch_rows(
 ):
     # One row on the interpreter's 4 SMs: the default count (16) is past the
     # scratch's 8 splits per row, and the row past the batch holds the rest.
-    _run(triton_interpret, "turboquant_k8v4", 128, 4, [70], num_kv_heads=1)
+    check_decode(triton_interpret, "turboquant_k8v4", 128, 4, [70], num_kv_heads=1)
     assert [g[2] for g in gluon_on_numpy] == [16]
 
 
@@ -302,15 +305,17 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
     monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
     with pytest.raises(AssertionError, match="max error"):
-        _run(triton_interpret, preset, 128, 4, [45, 70])
+        check_decode(triton_interpret, preset, 128, 4, [45, 70])
 
 
 def _fp16_levels(monkeypatch):
     """The split-KV tests' caches quantized to the solver's centroids rounded
     to fp16 values, as TurboQuant layers hold them (patch 0020)."""
-    solved = splitkv_tests.get_centroids
+    solved = get_centroids
     monkeypatch.setattr(
-        splitkv_tests, "get_centroids", lambda d, b: solved(d, b).half().float()
+        turboquant_packed,
+        "get_centroids",
+        lambda d, b: solved(d, b).half().float(),
     )
 
 
@@ -325,10 +330,10 @@ def _growing_scores(cfg, cache, table):
     for row in table.cpu():
         for j, block in enumerate(row[row >= 0].tolist()):
             norms = (torch.rand(shape) * 3 + 0.5) * 4.0**j
-            cache[block, ..., mse : mse + 2] = _fp16_bytes(norms).to(cache.device)
+            cache[block, ..., mse : mse + 2] = fp16_bytes(norms).to(cache.device)
             if j == 1:
                 scales = torch.rand(shape) * 10000 + 20000
-                bytes_ = _fp16_bytes(scales).to(cache.device)
+                bytes_ = fp16_bytes(scales).to(cache.device)
                 cache[block, ..., vscale : vscale + 2] = bytes_
 
 
@@ -348,7 +353,7 @@ def test_the_running_max_moves_where_scores_outgrow_it(
         monkeypatch.setattr(gluon_decode, "_STALE_SCALE_MAX", 1e9)
     elif fault:
         monkeypatch.setattr(gluon_decode, "_STALE_SCALE_MAX", 1e9)
-    run = lambda: _run(  # noqa: E731
+    run = lambda: check_decode(  # noqa: E731
         triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70], num_kv_heads=1,
         splits=1, edit=_growing_scores,
     )  # fmt: skip
@@ -422,10 +427,10 @@ def test_fp16_centroids_take_one_dot_per_chunk(
     monkeypatch.setattr(splitkv, "_gluon_runner", runner)
     monkeypatch.setattr(gluon_decode, "_tables", {})
     if fault is None:
-        _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
+        check_decode(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
     else:
         with pytest.raises(AssertionError, match="max error"):
-            _run(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
+            check_decode(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
     assert tails == [False]
 
 
@@ -458,7 +463,7 @@ def test_a_warp_that_reads_only_its_own_partials_turns_the_check_red(
     monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner())
     monkeypatch.setattr(gluon_decode, "_tables", {})
     with pytest.raises(AssertionError, match="max error"):
-        _run(triton_interpret, preset, 256, 4, [19, 45], splits=2)
+        check_decode(triton_interpret, preset, 256, 4, [19, 45], splits=2)
     assert loads
 
 
@@ -492,7 +497,7 @@ def test_4bit_slots_are_read_as_shifted_words(
 
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
     monkeypatch.setattr(splitkv, "_gluon_runner", runner)
-    _run(
+    check_decode(
         triton_interpret,
         preset,
         head_dim,
@@ -543,7 +548,7 @@ def test_a_shifted_field_without_its_last_half_word_turns_the_check_red(
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
     monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
     with pytest.raises(AssertionError, match="max error"):
-        _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70])
+        check_decode(triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70])
 
 
 @pytest.mark.parametrize("fault", [None, "the first cache's token stride kept"])
@@ -567,8 +572,8 @@ def test_each_cache_compiles_with_its_own_token_stride(
             return real(*bound.args, **bound.kwargs)
 
         monkeypatch.setattr(gluon_decode, "_constexprs", stale)
-    _run(triton_interpret, "turboquant_4bit_nc", 128, 4, [45], num_kv_heads=1)
-    second = lambda: _run(  # noqa: E731
+    check_decode(triton_interpret, "turboquant_4bit_nc", 128, 4, [45], num_kv_heads=1)
+    second = lambda: check_decode(  # noqa: E731
         triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], num_kv_heads=4
     )
     if fault:
@@ -617,7 +622,7 @@ def test_key_table_decodes_every_nibble(monkeypatch, head_dim):
     2**-21 (fixed point)."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", head_dim)
-    centroids = _tables(cfg, head_dim, "cpu")[0]
+    centroids = tables(cfg, head_dim, "cpu")[0]
     table = gluon_decode.key_table(centroids)
     assert table.dtype == torch.int32
     assert gluon_decode.key_table(centroids) is table  # built once
@@ -672,7 +677,7 @@ def test_key_table_decodes_every_3bit_code(monkeypatch):
     2**-22 of the largest."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_k3v4_nc", 128)
-    centroids = _tables(cfg, 128, "cpu")[0]
+    centroids = tables(cfg, 128, "cpu")[0]
     assert centroids.shape == (8,)
     table = gluon_decode.key_table(centroids)
     assert table is not None
@@ -688,7 +693,7 @@ def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
     monkeypatch.setattr(gluon_decode, "_tables", {})
     _print_info_once.cache_clear()
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
-    c = _tables(cfg, 128, "cpu")[0]
+    c = tables(cfg, 128, "cpu")[0]
     shifted = c.clone()
     shifted[3] += 1e-3
     with caplog_vllm.at_level(logging.INFO, logger="vllm"):
@@ -706,7 +711,7 @@ def test_key_table_builds_nothing_while_a_graph_is_captured(monkeypatch):
     Triton stage 1 runs) and one built before is reused."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
-    c = _tables(cfg, 128, "cpu")[0]
+    c = tables(cfg, 128, "cpu")[0]
 
     class OnCuda:  # the centroids, seen as a CUDA tensor
         data_ptr, device, is_cuda, float = c.data_ptr, c.device, True, c.float
@@ -726,7 +731,7 @@ def test_key_table_is_rebuilt_for_other_centroids_at_the_same_address(monkeypatc
     the stale one."""
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
-    memory = _tables(cfg, 128, "cpu")[0].clone()
+    memory = tables(cfg, 128, "cpu")[0].clone()
     first = memory[:]  # one tensor on this memory...
     old = gluon_decode.key_table(first).clone()
     del first
@@ -767,7 +772,7 @@ def test_what_the_gluon_stage1_serves(layout, served):
 def test_decode_keeps_the_triton_stage1_where_gluon_does_not_serve(
     triton_interpret, gluon_on_numpy
 ):
-    _run(
+    check_decode(
         triton_interpret, "turboquant_4bit_nc", 128, 4, [19, 45], splits=2, pad_bytes=97
     )  # odd page size: byte loads
     assert not gluon_on_numpy
@@ -936,10 +941,10 @@ def test_a_kernel_launched_before_the_one_ahead_ends_waits_for_it(
         splitkv, "_gluon_for", lambda d: gluon_decode if gluon else None
     )
     monkeypatch.setattr(gluon_decode, "_tables", {})
-    cfg, centroids, pit, cache, table = splitkv_tests._case(
+    cfg, centroids, pit, cache, table = packed_case(
         "turboquant_4bit_nc", 128, [40, 40], 2, "cpu"
     )
-    _call(
+    decode(
         torch.randn(2, 8, 128), cache, table,
         torch.tensor([40, 40], dtype=torch.int32), cfg, centroids, pit,
         num_splits=3, hadamard_query=True,
@@ -1010,8 +1015,8 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
         if cfg.key_fp8:
             pytest.skip("FP8 keys have no centroids")
         _fp16_levels(monkeypatch)
-    centroids, midpoints, pit = _tables(cfg, D, device)
-    cache, table = _filled_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
+    centroids, midpoints, pit = tables(cfg, D, device)
+    cache, table = stored_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
     query = torch.randn(len(seq_lens), Hq, D, device=device)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B = len(seq_lens)
@@ -1028,7 +1033,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
 
     def decode():
         return (
-            _call(
+            decode(
                 query,
                 cache,
                 table,
@@ -1036,8 +1041,8 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
                 cfg,
                 centroids,
                 pit,
-                mid_o_buf=_poisoned((B, Hq, 32, D + 1), device),
-                output_buf=_poisoned((B, Hq, D), device),
+                mid_o_buf=poisoned((B, Hq, 32, D + 1), device),
+                output_buf=poisoned((B, Hq, D), device),
                 num_splits=8,  # one count for both stage 1s
             )
             .double()
@@ -1049,7 +1054,9 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     assert launched[0] == (levels == "solver" and not cfg.key_fp8)
     monkeypatch.setattr(splitkv, "_gluon_for", lambda device: None)
     triton_out = decode()
-    ref = _reference(query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5)
+    ref = reference_attention(
+        query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5
+    )
     for out in (got, triton_out):
         assert not out.isnan().any()
         err = (out - ref).abs().max().item() / ref.abs().max().item()
@@ -1066,8 +1073,8 @@ def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
     Hq, Hk, D, device = 32, 8, 128, "cuda"
     torch.manual_seed(12)
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", D)
-    centroids, midpoints, pit = _tables(cfg, D, device)
-    cache, table = _filled_cache(cfg, [20000], Hk, D, device, pit, midpoints)
+    centroids, midpoints, pit = tables(cfg, D, device)
+    cache, table = stored_cache(cfg, [20000], Hk, D, device, pit, midpoints)
     query = torch.randn(1, Hq, D, device=device)
     monkeypatch.setattr(
         splitkv, "_gluon_for", lambda d: splitkv._gluon_module(d, enabled=True)
@@ -1082,7 +1089,7 @@ def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gluon_decode, "stage1", counted)
-    out = _call(
+    out = decode(
         query,
         cache,
         table,
@@ -1090,10 +1097,12 @@ def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
         cfg,
         centroids,
         pit,
-        mid_o_buf=_poisoned((64, Hq, 32, D + 1), device),
+        mid_o_buf=poisoned((64, Hq, 32, D + 1), device),
     )
     assert splits and splits[0] > 32, splits
-    ref = _reference(query, cache, table, [20000], cfg, centroids, pit, D**-0.5)
+    ref = reference_attention(
+        query, cache, table, [20000], cfg, centroids, pit, D**-0.5
+    )
     got = out.double().cpu()
     assert not got.isnan().any()
     err = (got - ref).abs().max().item() / ref.abs().max().item()

@@ -14,253 +14,35 @@ where the TF32 dots must still agree with float64 to fp32 rounding; the
 ``gpu`` tests add real shapes, bf16 queries and a CUDA-graph replay.
 """
 
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import (
-    TQ_PRESETS,
     TurboQuantConfig,
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 from vllm.v1.attention.ops.triton_turboquant_decode import (
     triton_turboquant_decode_attention,
 )
 
-PRESETS = list(TQ_PRESETS)
-PAGE = 16
-# Relative to the largest output magnitude: fp32 rounding with room for the
-# GPU's split-TF32 dots; dropping one TF32 tail term exceeds it on a GPU.
-TOL = 2e-5
+from tests.kernels.attention.turboquant_packed import (
+    PAGE,
+    PRESETS,
+    TOL,
+    check_decode,
+    decode,
+    packed_case,
+    poisoned,
+    reference_attention,
+    stored_cache,
+    tables,
+)
+from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+
 # bf16 outputs: one bf16 ulp relative to max |out| (the Triton interpreter
 # truncates to bf16, a GPU rounds to nearest).
 BF16_TOL = 2**-7
-
-
-def _tables(cfg: TurboQuantConfig, head_dim: int, device: str):
-    centroids, _ = get_centroids(head_dim, cfg.centroid_bits).float().sort()
-    midpoints = (centroids[:-1] + centroids[1:]) / 2
-    g = torch.Generator().manual_seed(head_dim)
-    pit = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g))[0]
-    return centroids.to(device), midpoints.to(device), pit.contiguous().to(device)
-
-
-def _pack(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """LSB-first bit packing: bit j of element d is bit d * bits + j of the field."""
-    planes = (idx[..., None] >> torch.arange(bits)) & 1
-    flat = planes.reshape(*idx.shape[:-1], -1)
-    flat = torch.nn.functional.pad(flat, (0, -flat.shape[-1] % 8))
-    weights = 1 << torch.arange(8)
-    return (flat.reshape(*flat.shape[:-1], -1, 8) * weights).sum(-1).to(torch.uint8)
-
-
-def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).view(torch.uint8).reshape(*x.shape, 2)
-
-
-def _block_table(seq_lens, num_blocks):
-    """Rows on shuffled pages; entries past a row's pages are -1 (unmapped)."""
-    pages = [math.ceil(n / PAGE) for n in seq_lens]
-    order = torch.randperm(num_blocks)[: sum(pages)].to(torch.int32)
-    table = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)
-    used = 0
-    for row, n in enumerate(pages):
-        table[row, :n] = order[used : used + n]
-        used += n
-    return table
-
-
-def _packed_cache(cfg, seq_lens, num_kv_heads, head_dim, device, pad_bytes=0):
-    """Random packed slots on shuffled pages; returns what was packed too.
-
-    ``pad_bytes`` > 0 gives a strided cache whose pages end in padding (0xFF),
-    as hybrid models get when page sizes are unified by padding (patch 0004);
-    an odd page size puts slots at odd addresses.
-    """
-    num_blocks = sum(math.ceil(n / PAGE) for n in seq_lens) + 2
-    shape = (num_blocks, PAGE, num_kv_heads)
-    if cfg.key_fp8:
-        k_vals = (torch.randn(*shape, head_dim) * 2).to(torch.float8_e4m3fn)
-        key = k_vals.view(torch.uint8)
-        k_idx, norms = k_vals.double(), None
-    else:
-        k_idx = torch.randint(0, 2**cfg.key_mse_bits, (*shape, head_dim))
-        norms = torch.rand(shape) * 3 + 0.5
-        key = torch.cat([_pack(k_idx, cfg.key_mse_bits), _fp16_bytes(norms)], -1)
-    vq = cfg.effective_value_quant_bits
-    v_idx = torch.randint(0, 2**vq, (*shape, head_dim))
-    scales, zeros = torch.rand(shape) * 0.3 + 0.01, torch.randn(shape)
-    value = torch.cat([_pack(v_idx, vq), _fp16_bytes(scales), _fp16_bytes(zeros)], -1)
-    cache = torch.full((*shape, cfg.slot_size_aligned), 0xFF, dtype=torch.uint8)
-    cache[..., : cfg.key_packed_size] = key
-    cache[..., cfg.key_packed_size : cfg.slot_size] = value
-    if pad_bytes:
-        page = cache[0].numel() + pad_bytes
-        flat = torch.full((num_blocks * page,), 0xFF, dtype=torch.uint8).to(device)
-        padded = torch.as_strided(flat, cache.shape, (page, *cache.stride()[1:]))
-        padded.copy_(cache)
-        cache = padded
-    cache = cache.to(device)
-    table = _block_table(seq_lens, num_blocks).to(device)
-    return cache, table, (k_idx, v_idx, scales, zeros, norms)
-
-
-def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    b = torch.nn.functional.pad(packed.long(), (0, 1))
-    bit = torch.arange(dim) * bits
-    word = b[..., bit // 8] | (b[..., bit // 8 + 1] << 8)
-    return (word >> (bit % 8)) & ((1 << bits) - 1)
-
-
-def _fp16(two_bytes: torch.Tensor) -> torch.Tensor:
-    b = two_bytes.long()
-    u = (b[..., 0] | (b[..., 1] << 8)).to(torch.int32)
-    return u.to(torch.int16).view(torch.float16).double()
-
-
-def _dequant(slots: torch.Tensor, cfg: TurboQuantConfig, centroids, dim: int):
-    """Float64 K (rotated space for MSE keys) and V from packed slots [..., slot]."""
-    slots = slots.cpu()
-    if cfg.key_fp8:
-        k = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).double()
-    else:
-        mse_bytes = math.ceil(dim * cfg.key_mse_bits / 8)
-        c = centroids.cpu().double()[
-            _unpack(slots[..., :mse_bytes], cfg.key_mse_bits, dim)
-        ]
-        if cfg.norm_correction:
-            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
-        k = _fp16(slots[..., mse_bytes : mse_bytes + 2])[..., None] * c
-    vq = cfg.effective_value_quant_bits
-    vbytes = math.ceil(dim * vq / 8)
-    vfield = slots[..., cfg.key_packed_size :]
-    v = _unpack(vfield[..., :vbytes], vq, dim).double()
-    v = v * _fp16(vfield[..., vbytes : vbytes + 2])[..., None]
-    v = v + _fp16(vfield[..., vbytes + 2 : vbytes + 4])[..., None]
-    return k, v
-
-
-def _reference(query, cache, block_table, seq_lens, cfg, centroids, pit, scale):
-    """Float64 attention over the slots in context; a row of length 0 gives 0."""
-    B, Hq, D = query.shape
-    Hk = cache.shape[2]
-    out = torch.zeros(B, Hq, D, dtype=torch.float64)
-    q = query.cpu().double()
-    if not cfg.key_fp8:
-        q = q @ pit.cpu().double()
-    table = block_table.cpu()
-    for row, n in enumerate(seq_lens):
-        if n == 0:
-            continue
-        pos = torch.arange(n)
-        blocks = table[row, pos // PAGE].long().to(cache.device)
-        slots = cache[blocks, (pos % PAGE).to(cache.device)]
-        k, v = _dequant(slots, cfg, centroids, D)
-        for h in range(Hq):
-            kv = h // (Hq // Hk)
-            p = torch.softmax((k[:, kv] @ q[row, h]) * scale, dim=0)
-            out[row, h] = p @ v[:, kv]
-    return out
-
-
-def _poisoned(shape, device, dtype=torch.float32):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def _case(preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes=0):
-    torch.manual_seed(1000 * head_dim + 7 * len(seq_lens) + PRESETS.index(preset))
-    cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
-    centroids, _, pit = _tables(cfg, head_dim, device)
-    cache, table, packed = _packed_cache(
-        cfg, seq_lens, num_kv_heads, head_dim, device, pad_bytes
-    )
-    # The reference reads back exactly what was packed.
-    k_ref, v_ref = _dequant(cache, cfg, centroids, head_dim)
-    k_idx, v_idx, scales, zeros, norms = packed
-    if cfg.key_fp8:
-        assert torch.equal(k_ref, k_idx)
-    else:
-        c = centroids.cpu().double()[k_idx]
-        if cfg.norm_correction:
-            c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
-        assert torch.equal(k_ref, norms.half().double()[..., None] * c)
-    v_expect = v_idx * scales.half().double()[..., None]
-    assert torch.equal(v_ref, v_expect + zeros.half().double()[..., None])
-    return cfg, centroids, pit, cache, table
-
-
-def _call(query, cache, table, seq_t, cfg, centroids, pit, scale=None, **kwargs):
-    """``decode_attention`` with the preset's arguments from ``cfg``; the
-    softmax scale defaults to head_dim ** -0.5 (the benchmark calls this too)."""
-    D = query.shape[-1]
-    return splitkv.decode_attention(
-        query,
-        cache,
-        table,
-        seq_t,
-        None if cfg.key_fp8 else pit,
-        centroids,
-        D**-0.5 if scale is None else scale,
-        cfg.key_mse_bits,
-        cfg.key_packed_size,
-        cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-        norm_correction=cfg.norm_correction,
-        **kwargs,
-    )
-
-
-def _run(
-    device,
-    preset,
-    head_dim,
-    gqa,
-    seq_lens,
-    num_kv_heads=2,
-    splits=None,
-    pad_bytes=0,
-    min_split_tokens=16,
-    table=None,
-    hadamard=False,
-    edit=None,
-):
-    cfg, centroids, pit, cache, own_table = _case(
-        preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes
-    )
-    if edit is not None:  # edit(cfg, cache, block_table): rewrite packed fields
-        edit(cfg, cache, own_table)
-    if hadamard:
-        # The backend's own rotation: rotated in registers, not by a GEMM.
-        pit = _build_hadamard(head_dim, device)
-    table = own_table if table is None else table(own_table)
-    B, Hq = len(seq_lens), gqa * num_kv_heads
-    query = torch.randn(B, Hq, head_dim).to(device) * 1.5
-    scale = head_dim**-0.5
-    out = _call(
-        query,
-        cache,
-        table,
-        torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        cfg,
-        centroids,
-        pit,
-        mid_o_buf=_poisoned((B + 1, Hq, 8, head_dim + 1), device),
-        output_buf=_poisoned((B + 1, Hq, head_dim), device),
-        num_splits=splits,
-        min_split_tokens=min_split_tokens,
-        hadamard_query=hadamard,
-    )
-    ref = _reference(query, cache, table, seq_lens, cfg, centroids, pit, scale)
-    got = out.double().cpu()
-    assert out.shape == (B, Hq, head_dim)
-    assert not got.isnan().any(), "kernel left poisoned (NaN) outputs"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err < TOL, f"max error {err:.3g} relative to max |out|"
-    return out
 
 
 # A padding row (0), one token, a partial tile, a page boundary, several tiles.
@@ -272,21 +54,23 @@ SEQ_LENS = [0, 1, 19, 45, 70]
 def test_decode_head_dim_128(triton_device, preset, gqa):
     # Default split count from the shapes; 16 tokens minimum per split, so
     # the longer rows span several splits and the short ones leave some empty.
-    _run(triton_device, preset, 128, gqa, SEQ_LENS)
+    check_decode(triton_device, preset, 128, gqa, SEQ_LENS)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_decode_split_counts(triton_device, preset, splits):
     # One split writes the output directly; three merge partials, some empty.
-    _run(triton_device, preset, 128, 4, [70, 5, 0], splits=splits)
+    check_decode(triton_device, preset, 128, 4, [70, 5, 0], splits=splits)
 
 
 @pytest.mark.parametrize("pad_bytes", [97, 96])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_decode_padded_pages(triton_device, preset, pad_bytes):
     # Odd page size: slots at odd addresses, byte loads; even: 16-bit words.
-    _run(triton_device, preset, 128, 6, [19, 45, 0], splits=2, pad_bytes=pad_bytes)
+    check_decode(
+        triton_device, preset, 128, 6, [19, 45, 0], splits=2, pad_bytes=pad_bytes
+    )
 
 
 @pytest.mark.parametrize(
@@ -299,7 +83,9 @@ def test_decode_padded_pages(triton_device, preset, pad_bytes):
 )
 def test_decode_other_head_dims(triton_device, head_dim, gqa, presets):
     for preset in presets:
-        _run(triton_device, preset, head_dim, gqa, [3, 40], num_kv_heads=1, splits=2)
+        check_decode(
+            triton_device, preset, head_dim, gqa, [3, 40], num_kv_heads=1, splits=2
+        )
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
@@ -311,7 +97,7 @@ def test_decode_verify_rows(triton_device, preset):
     """
     L, k = 29, 3
     lens = [L + j for j in range(k + 1)] + [0, 0]
-    _run(
+    check_decode(
         triton_device,
         preset,
         128,
@@ -326,7 +112,7 @@ def test_decode_verify_rows(triton_device, preset):
 def test_decode_hadamard_query(triton_device, preset, head_dim):
     """The backend's Hadamard rotation of the query in registers
     (``rotate_query``) against float64 ``q @ PiT``."""
-    _run(triton_device, preset, head_dim, 4, SEQ_LENS, hadamard=True)
+    check_decode(triton_device, preset, head_dim, 4, SEQ_LENS, hadamard=True)
 
 
 def test_only_the_backends_own_matrix_counts_as_hadamard():
@@ -373,7 +159,7 @@ def test_hook_rotates_in_registers_only_for_the_backend_matrix(
 ):
     preset, D, Hk = "turboquant_4bit_nc", 64, 2
     lens = [21, 5]
-    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, "cpu")
+    cfg, centroids, pit, cache, table = packed_case(preset, D, lens, Hk, "cpu")
     if own_matrix:
         pit = _build_hadamard(D, "cpu")
     rotated = []
@@ -400,7 +186,7 @@ def test_hook_rotates_in_registers_only_for_the_backend_matrix(
         PiT=pit,
     )
     assert len(rotated) == (1 if own_matrix else 0)
-    ref = _reference(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
+    ref = reference_attention(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
     err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL
 
@@ -495,7 +281,7 @@ def test_backend_decode_routes_here(triton_interpret, monkeypatch, enabled):
 
     preset, D, gqa, Hk = "turboquant_4bit_nc", 64, 4, 2
     lens = [21, 22, 0]
-    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, "cpu")
+    cfg, centroids, pit, cache, table = packed_case(preset, D, lens, Hk, "cpu")
     calls = []
     real = splitkv.decode_attention
 
@@ -509,9 +295,9 @@ def test_backend_decode_routes_here(triton_interpret, monkeypatch, enabled):
     impl.scale, impl.tq_config, impl.max_num_kv_splits = D**-0.5, cfg, 8
     Hq = gqa * Hk
     layer = torch.nn.Module()
-    layer._tq_mid_o_buf = _poisoned((4, Hq, 8, D + 1), "cpu")
-    layer._tq_output_buf = _poisoned((4, Hq, D), "cpu")
-    layer._tq_lse_buf = _poisoned((4, Hq), "cpu")
+    layer._tq_mid_o_buf = poisoned((4, Hq, 8, D + 1), "cpu")
+    layer._tq_output_buf = poisoned((4, Hq, D), "cpu")
+    layer._tq_lse_buf = poisoned((4, Hq), "cpu")
     meta = SimpleNamespace(
         block_table=table[:1],  # per request; the verify rows have their own
         seq_lens=torch.tensor([22], dtype=torch.int32),
@@ -526,7 +312,7 @@ def test_backend_decode_routes_here(triton_interpret, monkeypatch, enabled):
         assert len(calls) == 1 and calls[0] is layer._tq_mid_o_buf
     else:
         assert not calls
-    ref = _reference(
+    ref = reference_attention(
         query, cache, meta.decode_block_table, lens, cfg, centroids, pit, D**-0.5
     )
     got = out.double()
@@ -554,7 +340,9 @@ def test_each_packed_byte_is_read_once(
     from triton.runtime import interpreter
 
     D, Hk, gqa, lens = 64, 2, 4, [20, 37, 0]
-    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, "cpu", pad_bytes)
+    cfg, centroids, pit, cache, table = packed_case(
+        preset, D, lens, Hk, "cpu", pad_bytes
+    )
     flat = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0)
     base, size = flat.data_ptr(), flat.numel()
     counts = np.zeros(size, dtype=np.int64)
@@ -572,7 +360,7 @@ def test_each_packed_byte_is_read_once(
         interpreter.InterpreterBuilder, "create_masked_load", counting_load
     )
     Hq = gqa * Hk
-    _call(
+    decode(
         torch.randn(len(lens), Hq, D),
         cache,
         table,
@@ -599,33 +387,6 @@ def test_each_packed_byte_is_read_once(
     assert np.array_equal(counts, expected), "loaded bytes differ from the context"
 
 
-def _filled_cache(cfg, seq_lens, num_kv_heads, head_dim, device, pit, midpoints):
-    """Cache filled by 0.20.2's store from random K/V, on shuffled pages."""
-    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
-
-    num_blocks = sum(math.ceil(n / PAGE) for n in seq_lens) + 2
-    cache = torch.zeros(
-        num_blocks, PAGE, num_kv_heads, cfg.slot_size_aligned, dtype=torch.uint8
-    ).to(device)
-    table = _block_table(seq_lens, num_blocks).to(device)
-    for row, n in enumerate(seq_lens):
-        pos = torch.arange(n, device=device)
-        slots = table[row, pos // PAGE].long() * PAGE + pos % PAGE
-        triton_turboquant_store(
-            (torch.randn(n, num_kv_heads, head_dim) * 0.7 + 0.3).to(device),
-            torch.randn(n, num_kv_heads, head_dim).to(device),
-            cache,
-            slots.to(torch.int32),
-            pit,
-            midpoints,
-            mse_bits=cfg.key_mse_bits,
-            key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
-        )
-    return cache, table
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize(
@@ -643,12 +404,12 @@ def test_decode_real_shapes_gpu(preset, shape):
     device = "cuda"
     torch.manual_seed(3)
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
-    centroids, midpoints, pit = _tables(cfg, D, device)
-    cache, table = _filled_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
+    centroids, midpoints, pit = tables(cfg, D, device)
+    cache, table = stored_cache(cfg, seq_lens, Hk, D, device, pit, midpoints)
     query = torch.randn(len(seq_lens), Hq, D, device=device).to(torch.bfloat16)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B = len(seq_lens)
-    out = _call(
+    out = decode(
         query,
         cache,
         table,
@@ -656,11 +417,11 @@ def test_decode_real_shapes_gpu(preset, shape):
         cfg,
         centroids,
         pit,
-        mid_o_buf=_poisoned((B, Hq, 32, D + 1), device),
-        output_buf=_poisoned((B, Hq, D), device, torch.bfloat16),
+        mid_o_buf=poisoned((B, Hq, 32, D + 1), device),
+        output_buf=poisoned((B, Hq, D), device, torch.bfloat16),
     )
     torch.accelerator.synchronize()
-    ref = _reference(
+    ref = reference_attention(
         query.float(), cache, table, seq_lens, cfg, centroids, pit, D**-0.5
     )
     got = out.double().cpu()
@@ -669,7 +430,7 @@ def test_decode_real_shapes_gpu(preset, shape):
     err = (got - ref).abs().max().item() / ref.abs().max().item()
     assert err < BF16_TOL, f"max error {err:.3g} relative to max |out|"
     # The same launch with an fp32 output holds fp32 rounding (split TF32).
-    out32 = _call(
+    out32 = decode(
         query,
         cache,
         table,
@@ -677,7 +438,7 @@ def test_decode_real_shapes_gpu(preset, shape):
         cfg,
         centroids,
         pit,
-        output_buf=_poisoned((B, Hq, D), device),
+        output_buf=poisoned((B, Hq, D), device),
         out_dtype=torch.float32,
     )
     torch.accelerator.synchronize()
@@ -697,14 +458,14 @@ def test_cuda_graph_replay_follows_new_lengths(preset):
     device = "cuda"
     torch.manual_seed(5)
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
-    centroids, midpoints, pit = _tables(cfg, D, device)
-    cache, table = _filled_cache(cfg, [ctx] * B, Hk, D, device, pit, midpoints)
+    centroids, midpoints, pit = tables(cfg, D, device)
+    cache, table = stored_cache(cfg, [ctx] * B, Hk, D, device, pit, midpoints)
     query = torch.randn(B, Hq, D, device=device).to(torch.bfloat16)
     seq_t = torch.tensor([100, 2000, 5, ctx], dtype=torch.int32, device=device)
-    mid = _poisoned((B, Hq, 32, D + 1), device)
+    mid = poisoned((B, Hq, 32, D + 1), device)
 
     def call():
-        return _call(query, cache, table, seq_t, cfg, centroids, pit, mid_o_buf=mid)
+        return decode(query, cache, table, seq_t, cfg, centroids, pit, mid_o_buf=mid)
 
     call()  # compile outside the capture
     torch.accelerator.synchronize()
@@ -719,7 +480,7 @@ def test_cuda_graph_replay_follows_new_lengths(preset):
         replayed = graph_out.clone()
         eager = call().float()
         assert (replayed.float() - eager).abs().max() <= 8e-3 * eager.abs().max()
-        ref = _reference(
+        ref = reference_attention(
             query.float(), cache, table, lens, cfg, centroids, pit, D**-0.5
         )
         err = (replayed.double().cpu() - ref).abs().max() / ref.abs().max()
@@ -733,10 +494,10 @@ def test_decode_writes_into_the_callers_rows(triton_device):
     place, and the rows past B keep what they held."""
     preset, D, gqa, Hk = "turboquant_4bit_nc", 64, 4, 2
     lens = [19, 45, 3]
-    cfg, centroids, pit, cache, table = _case(preset, D, lens, Hk, triton_device)
+    cfg, centroids, pit, cache, table = packed_case(preset, D, lens, Hk, triton_device)
     B, Hq = len(lens), gqa * Hk
     query = torch.randn(B, Hq, D).to(triton_device)
-    layer_out = _poisoned((B + 2, Hq * D), triton_device)
+    layer_out = poisoned((B + 2, Hq * D), triton_device)
     rows = layer_out[:B].view(B, Hq, D)
     out = triton_turboquant_decode_attention(
         query, cache, table, torch.tensor(lens, dtype=torch.int32).to(rows.device),
@@ -745,7 +506,7 @@ def test_decode_writes_into_the_callers_rows(triton_device):
         norm_correction=cfg.norm_correction, PiT=pit, output_buf=rows,
     )  # fmt: skip
     assert out.data_ptr() == rows.data_ptr(), "the result was not written in place"
-    ref = _reference(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
+    ref = reference_attention(query, cache, table, lens, cfg, centroids, pit, D**-0.5)
     err = (rows.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL
     assert layer_out[B:].isnan().all()

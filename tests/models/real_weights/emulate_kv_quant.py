@@ -87,13 +87,13 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
     """[..., D] keys -> dequantized keys (float64), as store + decode do."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
-        _reference,
+        reference_attention,
     )
 
     d = k.shape[-1]
     c, mids = _centroids(d, bits)
     x = k.double() if signs is None else k.double() * signs
-    idx, _, norm = _reference(x, mids)
+    idx, _, norm = reference_attention(x, mids)
     y = c[idx]
     if nc:
         y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
@@ -282,8 +282,6 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
     the number of non-finite bytes decoded, and the decode output's max error
     relative to max |out| against float64 attention over the emulated K/V.
     """
-    from tests.kernels.attention.test_turboquant_decode_splitkv import _dequant
-    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
@@ -291,6 +289,9 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
     from vllm.v1.attention.ops.triton_turboquant_decode import (
         triton_turboquant_decode_attention,
     )
+
+    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
+    from tests.kernels.attention.turboquant_packed import dequantize
     from vllm.v1.attention.ops.triton_turboquant_store_fused import (
         turboquant_store,
     )
@@ -325,7 +326,7 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
                 key_fp8=cfg.key_fp8,
             )
             rows = cache.view(-1, hk, cfg.slot_size_aligned)[page : page + n]
-            k_got, v_got = _dequant(rows, cfg, cents.float(), d)
+            k_got, v_got = dequantize(rows, cfg, cents.float(), d)
             if not cfg.key_fp8:
                 k_got = k_got @ _hadamard(d).double()  # back from rotated space
             k_emu = quant_keys_fp8(kt) if kb == 8 else quant_keys_mse(kt, kb, nc)
