@@ -62,6 +62,12 @@ def packed_slots():
     return turboquant_packed
 
 
+def store_kwargs(cfg):
+    """The preset's packed-slot constants as the store kernels take them (the
+    tests' definition, tests/kernels/attention/turboquant_store_args.py)."""
+    return packed_slots().store_kwargs(cfg)
+
+
 PRESETS = [
     "turboquant_k8v4",
     "turboquant_4bit_nc",
@@ -139,17 +145,6 @@ def tq_config(preset, head_dim):
     )
 
     return TurboQuantConfig.from_cache_dtype(preset, head_dim)
-
-
-def store_kwargs(cfg):
-    """The preset's packed-slot constants, as the store kernels and 0.20.2's
-    decode take them."""
-    return dict(
-        mse_bits=cfg.key_mse_bits,
-        key_packed_size=cfg.key_packed_size,
-        value_quant_bits=cfg.effective_value_quant_bits,
-        key_fp8=cfg.key_fp8,
-    )
 
 
 def launched_in_time(gpu_us, host_us, sleep_us: float) -> list[float]:
@@ -243,10 +238,11 @@ def paged_layout(batch, context, seed=0):
 def tq_tables(cfg, head_dim, device="cuda"):
     """The centroids a TurboQuant layer holds (fp16 values, not the solver's),
     their midpoints, and the backend's own rotation matrix."""
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+
     from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
         fp16_centroids,
     )
-    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
     centroids, _ = fp16_centroids(head_dim, bits).sort()
@@ -737,6 +733,7 @@ def bench_store(shapes, presets, timer, bw, rows, log):
     # The backend stores through the one-launch store (patch 0016); 0.20.2's
     # launcher is timed beside it, labelled, for comparison only.
     from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
     from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 
     for label, hq, hk, D in shapes:

@@ -20,10 +20,11 @@ import math
 
 import pytest
 import torch
-
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.v1.attention.ops.triton_turboquant_store_fused import (
     turboquant_store,
     turboquant_store_hadamard,
@@ -128,10 +129,7 @@ def _store_both(preset, d, dtype, device, seed):
             slots,
             pit,
             midpoints,
-            mse_bits=cfg.key_mse_bits,
-            key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
+            **store_kwargs(cfg),
         )
         out[name] = (flat, cache, real, page)
     return cfg, k, slots, midpoints, out

@@ -11,10 +11,11 @@ which raises on such a view. Runs under the Triton CPU interpreter in CI
 
 import pytest
 import torch
-
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 
 # Small shapes: the interpreter runs one program per (token, head).
 HEAD_DIM, NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS = 64, 2, 16, 3, 20
@@ -57,10 +58,7 @@ def test_store_into_padded_cache_matches_contiguous(preset, triton_device):
             slots,
             pit,
             midpoints,
-            mse_bits=cfg.key_mse_bits,
-            key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
+            **store_kwargs(cfg),
         )
     assert torch.equal(padded, contiguous)
     assert (contiguous != SENTINEL).any()

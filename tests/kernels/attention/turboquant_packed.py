@@ -18,6 +18,7 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
 PRESETS = list(TQ_PRESETS)
@@ -221,10 +222,7 @@ def stored_cache(cfg, seq_lens, num_kv_heads, head_dim, device, pit, midpoints):
             slots.to(torch.int32),
             pit,
             midpoints,
-            mse_bits=cfg.key_mse_bits,
-            key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits,
-            key_fp8=cfg.key_fp8,
+            **store_kwargs(cfg),
         )
     return cache, table
 
