@@ -623,6 +623,13 @@ def context_positions(prompts: list[list[int]], outputs: list[list[int]]) -> int
     return n
 
 
+def same_or_tie(status: str) -> bool:
+    """``compare``'s verdict counts as equal: exact, or a first difference at a
+    flagged near-tie (rounding between two nearly equal logits, not a wrong
+    result)."""
+    return status == "exact" or status.endswith(" tie")
+
+
 def compare(
     ref: dict[str, Any], run: dict[str, Any], prompts: list[list[int]] | None = None
 ) -> dict[str, Any]:

@@ -292,6 +292,15 @@ def test_driver_skips_engines_past_the_budget(tmp_path, fake_world, capsys):
     assert "CRASH" not in table  # a budget's skips are not crashes
 
 
+def test_a_difference_at_a_flagged_near_tie_counts_as_equal():
+    """As in the release gate: the TP=2 run's qwen3_next 4bit_nc MTP engine
+    differed from its reference at one flagged near-tie (11/12 exact)."""
+    row = {"status": "DIFF 10@2 tie", "kv_status": "equal"}
+    assert tpm.row_ok(row)
+    assert not tpm.row_ok({"status": "DIFF 10@2", "kv_status": "equal"})
+    assert not tpm.row_ok({"status": "DIFF 10@2 tie", "kv_status": "DIFF -3"})
+
+
 def test_a_timeout_is_named_as_one():
     eng = tpm.tp2_engines(CKPTS)[0]
     rec = {"crash": "TIMEOUT after 97s", "wall": 97.0}

@@ -507,7 +507,10 @@ def engine_row(
 
 
 def row_ok(row: dict[str, Any]) -> bool:
-    return row.get("status") in ("ran", "exact") and row.get("kv_status") == "equal"
+    status = row.get("status", "")
+    return (status == "ran" or sdm.same_or_tie(status)) and row.get(
+        "kv_status"
+    ) == "equal"
 
 
 def gemma_rows(report: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -796,6 +799,7 @@ def check_configs(args: argparse.Namespace) -> int:
     # a GPU resolves none that can build a config.
     use_planning_platform()
     from vllm.engine.arg_utils import EngineArgs
+
     from vllm.entrypoints.cli.kv_capacity import make_parser, request_from_args
 
     outdir = Path(args.outdir)
