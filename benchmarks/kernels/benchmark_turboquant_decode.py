@@ -238,11 +238,10 @@ def paged_layout(batch, context, seed=0):
 def tq_tables(cfg, head_dim, device="cuda"):
     """The centroids a TurboQuant layer holds (fp16 values, not the solver's),
     their midpoints, and the backend's own rotation matrix."""
-    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-
     from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
         fp16_centroids,
     )
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
     centroids, _ = fp16_centroids(head_dim, bits).sort()
@@ -733,7 +732,6 @@ def bench_store(shapes, presets, timer, bw, rows, log):
     # The backend stores through the one-launch store (patch 0016); 0.20.2's
     # launcher is timed beside it, labelled, for comparison only.
     from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
-
     from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 
     for label, hq, hk, D in shapes:

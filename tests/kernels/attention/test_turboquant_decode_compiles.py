@@ -17,15 +17,15 @@ import importlib
 
 import pytest
 import torch
-from vllm.model_executor.layers.quantization.turboquant.config import (
-    TurboQuantConfig,
-)
 
 from tests.kernels.attention.turboquant_packed import (
     decode,
     packed_case,
     stored_cache,
     tables,
+)
+from vllm.model_executor.layers.quantization.turboquant.config import (
+    TurboQuantConfig,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 

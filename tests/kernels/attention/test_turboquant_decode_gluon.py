@@ -26,11 +26,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from vllm.logger import _print_info_once
-from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
-from vllm.model_executor.layers.quantization.turboquant.config import (
-    TurboQuantConfig,
-)
 
 from tests.kernels.attention import gluon_numpy, turboquant_packed
 from tests.kernels.attention.turboquant_packed import (
@@ -44,6 +39,11 @@ from tests.kernels.attention.turboquant_packed import (
     reference_attention,
     stored_cache,
     tables,
+)
+from vllm.logger import _print_info_once
+from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+from vllm.model_executor.layers.quantization.turboquant.config import (
+    TurboQuantConfig,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 

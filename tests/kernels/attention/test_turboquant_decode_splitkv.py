@@ -18,13 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.model_executor.layers.quantization.turboquant.config import (
-    TurboQuantConfig,
-)
-from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-from vllm.v1.attention.ops.triton_turboquant_decode import (
-    triton_turboquant_decode_attention,
-)
 
 from tests.kernels.attention.turboquant_packed import (
     PAGE,
@@ -38,7 +31,14 @@ from tests.kernels.attention.turboquant_packed import (
     stored_cache,
     tables,
 )
+from vllm.model_executor.layers.quantization.turboquant.config import (
+    TurboQuantConfig,
+)
+from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops.triton_turboquant_decode import (
+    triton_turboquant_decode_attention,
+)
 
 # bf16 outputs: one bf16 ulp relative to max |out| (the Triton interpreter
 # truncates to bf16, a GPU rounds to nearest).

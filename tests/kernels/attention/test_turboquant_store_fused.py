@@ -20,11 +20,11 @@ import math
 
 import pytest
 import torch
+
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
-
-from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.v1.attention.ops.triton_turboquant_store_fused import (
     turboquant_store,
     turboquant_store_hadamard,

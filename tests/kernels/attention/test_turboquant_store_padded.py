@@ -11,11 +11,11 @@ which raises on such a view. Runs under the Triton CPU interpreter in CI
 
 import pytest
 import torch
+
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
-
-from tests.kernels.attention.turboquant_store_args import store_kwargs
 
 # Small shapes: the interpreter runs one program per (token, head).
 HEAD_DIM, NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS = 64, 2, 16, 3, 20

@@ -11,14 +11,14 @@ decode with a preset's arguments.
 import math
 
 import torch
+
+from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import (
     TQ_PRESETS,
     TurboQuantConfig,
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-
-from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
 PRESETS = list(TQ_PRESETS)

@@ -282,6 +282,8 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
     the number of non-finite bytes decoded, and the decode output's max error
     relative to max |out| against float64 attention over the emulated K/V.
     """
+    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
+    from tests.kernels.attention.turboquant_packed import dequantize
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
@@ -289,9 +291,6 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
     from vllm.v1.attention.ops.triton_turboquant_decode import (
         triton_turboquant_decode_attention,
     )
-
-    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
-    from tests.kernels.attention.turboquant_packed import dequantize
     from vllm.v1.attention.ops.triton_turboquant_store_fused import (
         turboquant_store,
     )

@@ -799,7 +799,6 @@ def check_configs(args: argparse.Namespace) -> int:
     # a GPU resolves none that can build a config.
     use_planning_platform()
     from vllm.engine.arg_utils import EngineArgs
-
     from vllm.entrypoints.cli.kv_capacity import make_parser, request_from_args
 
     outdir = Path(args.outdir)
