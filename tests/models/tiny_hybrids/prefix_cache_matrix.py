@@ -313,20 +313,22 @@ def predicted_cached(
     eagle: bool = False,
 ) -> int:
     """Tokens a hit request should find cached after ``warm`` was served
-    alone, as read in 0.20.2: attention matches whole blocks of the common
-    prefix (never the last prompt token; under EAGLE/MTP the last matching
-    block is dropped); on a hybrid in ``align`` mode only a block boundary
-    where ``warm``'s GDN state was kept (``aligned_state_positions``) can
-    end the hit. Checked against the engine by the GPU run."""
+    alone: attention matches whole blocks of the common prefix (never the
+    last prompt token); on a hybrid in ``align`` mode only a block boundary
+    where ``warm``'s GDN state was kept (``aligned_state_positions``) can end
+    the hit. Under EAGLE/MTP a dense model's attention drops its last
+    matching block (read in 0.20.2, not measured: no dense model has MTP
+    here); on the hybrids the H200 run found hits up to the kept state with
+    no block dropped (e.g. 2,016 tokens at B = 288), so there the state's
+    move back by a block (``aligned_state_positions``) is the whole MTP
+    effect."""
     common = next(
         (i for i, (a, b) in enumerate(zip(warm, hit)) if a != b),
         min(len(warm), len(hit)),
     )
     attention = min(common, len(hit) - 1) // block * block
-    if eagle:
-        attention = max(attention - block, 0)
     if not mamba:
-        return attention
+        return max(attention - block, 0) if eagle else attention
     states = aligned_state_positions(len(warm), block, budget, eagle)
     return max((p for p in states if p <= attention), default=0)
 
@@ -339,19 +341,30 @@ def predicted_hits(
     mamba: bool,
     eagle: bool = False,
 ) -> dict[str, list[int]]:
-    """Per request group, ``predicted_cached`` of each hit request."""
+    """Per request group, what each hit request should find cached: the
+    most that any request of its group served before it left behind
+    (``predicted_cached``), its warm-up and the hit requests ahead of it in
+    the batch. The H200 run showed the second hit request of a 2K group
+    reusing the state the first one kept inside the prefix (2,000 of 2,048
+    tokens at B = 80), which the warm-up request alone does not give."""
     out: dict[str, list[int]] = {}
-    warm: Request | None = None
+    served: list[Request] = []
     for phase in phases:
         for r in phase:
             if r.role == "warm":
-                warm = r
-            elif warm is not None and warm.group == r.group:
-                out.setdefault(r.group, []).append(
+                served = [r]
+                continue
+            if not served or served[0].group != r.group:
+                continue
+            out.setdefault(r.group, []).append(
+                max(
                     predicted_cached(
-                        warm.tokens, r.tokens, block, budget, mamba=mamba, eagle=eagle
+                        s.tokens, r.tokens, block, budget, mamba=mamba, eagle=eagle
                     )
+                    for s in served
                 )
+            )
+            served.append(r)
     return out
 
 

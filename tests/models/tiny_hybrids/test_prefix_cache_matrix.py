@@ -193,8 +193,12 @@ def test_predicted_cached():
     assert pcm.predicted_cached(long_warm, hit, 272, 8192, mamba=True) == 0
     # Served alone first, the prefix leaves a state on its last boundary.
     assert pcm.predicted_cached(prefix, hit, 272, 8192, mamba=True) == 1904
-    # MTP: attention drops its last matching block, the state moved with it.
+    # MTP on a hybrid: the kept state moves back a block, attention does not.
     assert pcm.predicted_cached(prefix, hit, 416, 8192, mamba=True, eagle=True) == 1248
+    warm = prefix + tuple(range(5000, 5512))  # 2,560 tokens: state at 2,304 - 288
+    assert pcm.predicted_cached(warm, hit, 288, 8192, mamba=True, eagle=True) == 2016
+    # MTP on a dense model (read, not measured): the last matching block drops.
+    assert pcm.predicted_cached(prefix, hit, 16, 8192, mamba=False, eagle=True) == 2032
     # Never the hit request's last token.
     assert pcm.predicted_cached(prefix, prefix[:33], 16, 8192, mamba=False) == 32
 
@@ -203,11 +207,17 @@ def test_predicted_hits_per_group():
     phases = pcm.build_phases(suffixes=SUFFIXES)
     pred = pcm.predicted_hits(phases, 272, mamba=True)
     assert set(pred) == {"2K", "8K", "2K-pre", "8K-pre"}
-    assert pred["2K"] == [0] * pcm.HITS
+    # The first hit request finds nothing the warm-up kept inside the prefix;
+    # the others reuse the state it kept at its own last boundary (H200 run).
+    assert pred["2K"] == [0] + [1904] * (pcm.HITS - 1)
     assert pred["8K"] == [8160] * pcm.HITS  # the budget's split point
     assert pred["2K-pre"] == [1904] * pcm.HITS
     mtp = pcm.predicted_hits(phases, 288, mamba=True, eagle=True)
-    assert mtp["8K"] == [0] * pcm.HITS and mtp["8K-pre"] == [7776] * pcm.HITS
+    assert mtp["2K"] == [2016] * pcm.HITS  # measured: 2016 x 4
+    assert mtp["8K"] == [8064] * pcm.HITS and mtp["8K-pre"] == [7776] * pcm.HITS
+    mtp80 = pcm.predicted_hits(phases, 80, mamba=True, eagle=True)
+    assert mtp80["2K"] == [0] + [1920] * (pcm.HITS - 1)  # measured: 0, 1920 x 3
+    assert mtp80["8K"] == [8160] * pcm.HITS  # measured (read before: 0)
     dense = pcm.predicted_hits(phases, 16, mamba=False)
     assert dense["2K"] == [2048] * pcm.HITS and dense["8K"] == [8192] * pcm.HITS
 
