@@ -87,13 +87,13 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
     """[..., D] keys -> dequantized keys (float64), as store + decode do."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
-        reference_attention,
+        _reference,
     )
 
     d = k.shape[-1]
     c, mids = _centroids(d, bits)
     x = k.double() if signs is None else k.double() * signs
-    idx, _, norm = reference_attention(x, mids)
+    idx, _, norm = _reference(x, mids)
     y = c[idx]
     if nc:
         y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
@@ -282,8 +282,8 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
     the number of non-finite bytes decoded, and the decode output's max error
     relative to max |out| against float64 attention over the emulated K/V.
     """
-    from tests.kernels.attention.test_turboquant_store_fused import _hadamard
     from tests.kernels.attention.turboquant_packed import dequantize
+    from tests.kernels.attention.turboquant_store_args import store_kwargs
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
@@ -319,15 +319,12 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
                 slots,
                 H,
                 mids.float(),
-                mse_bits=cfg.key_mse_bits,
-                key_packed_size=cfg.key_packed_size,
-                value_quant_bits=cfg.effective_value_quant_bits,
-                key_fp8=cfg.key_fp8,
+                **store_kwargs(cfg),
             )
             rows = cache.view(-1, hk, cfg.slot_size_aligned)[page : page + n]
             k_got, v_got = dequantize(rows, cfg, cents.float(), d)
             if not cfg.key_fp8:
-                k_got = k_got @ _hadamard(d).double()  # back from rotated space
+                k_got = k_got @ H.double()  # back from rotated space
             k_emu = quant_keys_fp8(kt) if kb == 8 else quant_keys_mse(kt, kb, nc)
             v_emu = quant_values(vt, vb)
             # decode: the last `queries` positions attend to all n tokens
@@ -342,10 +339,7 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
                 Pi=H,
                 centroids=cents.float(),
                 scale=scaling,
-                mse_bits=cfg.key_mse_bits,
-                key_packed_size=cfg.key_packed_size,
-                value_quant_bits=cfg.effective_value_quant_bits,
-                key_fp8=cfg.key_fp8,
+                **store_kwargs(cfg),
                 norm_correction=cfg.norm_correction,
                 PiT=H,
             ).double()
