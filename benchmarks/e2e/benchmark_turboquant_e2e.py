@@ -1178,7 +1178,7 @@ def main():
         repeats=args.repeats,
         quick=args.quick,
         scenarios={s: SCENARIOS[s] for s in scenarios},
-        tq_decode=os.environ.get("HYBRIDKV_TQ_DECODE", "default"),
+        tq_decode=os.environ.get("VLLM_TURBOQUANT_DECODE", "default"),
         # Result files without this key streamed requests into a running engine.
         queue="full",
         interleave=args.interleave,

@@ -12,7 +12,7 @@ the copy bandwidth measured in the same run), the median GPU time (CUDA
 events, L2 flushed before every timed call, the launch hidden behind a GPU
 sleep; see ``Timer``) of FlashAttention bf16, of 0.20.2's kernel (``old``,
 ``triton_turboquant_decode_attention``) and of the split-KV kernel when patch
-0017 is applied (``new``, ``triton_turboquant_decode_splitkv.decode_attention``
+0017 is applied (``new``, ``turboquant_decode.decode_attention``
 with the backend's shared scratch; which stage 1 it took, Gluon or Triton, and
 its host launch time), the fraction of copy
 bandwidth each reaches, the speed ratio to FA, and each kernel's error against
@@ -360,10 +360,10 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
-        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+        from vllm.v1.attention.ops import turboquant_decode as tq_decode
     except ImportError:
-        splitkv = None
-    if new and splitkv is None:
+        tq_decode = None
+    if new and tq_decode is None:
         return None
     B, Hq, D = q.shape
     S = SCRATCH_SPLITS
@@ -373,7 +373,7 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
     lse = torch.full((B, Hq), float("nan"), device="cuda")
 
     if new:
-        if not splitkv.supports(
+        if not tq_decode.supports(
             D,
             Hq,
             cache.shape[2],
@@ -397,9 +397,19 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
         )
 
     def run():
-        if splitkv is not None:
-            # Patch 0017 hooks this entry point; "old" is 0.20.2's kernel.
-            splitkv.ENABLED = False
+        # Patch 0017 hooks this entry point; "old" is 0.20.2's kernel, which
+        # the hook leaves to run under VLLM_TURBOQUANT_DECODE=legacy.
+        saved = os.environ.get("VLLM_TURBOQUANT_DECODE")
+        os.environ["VLLM_TURBOQUANT_DECODE"] = "legacy"
+        try:
+            return legacy()
+        finally:
+            if saved is None:
+                del os.environ["VLLM_TURBOQUANT_DECODE"]
+            else:
+                os.environ["VLLM_TURBOQUANT_DECODE"] = saved
+
+    def legacy():
         return dec.triton_turboquant_decode_attention(
             query=q,
             kv_cache=cache,
@@ -447,9 +457,9 @@ def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **
     ``pit`` is the backend's Hadamard matrix, as ``tq_tables`` returns);
     ``launch``: its scratch and launch overrides (mid_o_buf,
     max_num_kv_splits, geometry, num_splits)."""
-    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
 
-    hadamard = not cfg.key_fp8 and splitkv.is_backend_hadamard(pit)
+    hadamard = not cfg.key_fp8 and is_backend_hadamard(pit)
     call = packed_slots().decode
     return lambda: call(
         q, cache, block_table, seq_lens, cfg, centroids, pit, scale=scale,
@@ -643,7 +653,7 @@ def filled_caches(cases, presets, bw):
 
 def bench_sweep(cases, presets, timer, bw, rows, log):
     try:
-        from vllm.v1.attention.ops import triton_turboquant_decode_splitkv  # noqa: F401
+        from vllm.v1.attention.ops import turboquant_decode  # noqa: F401
     except ImportError:
         log("  sweep skipped: no split-KV kernel installed (patch 0017 not applied)")
         return
@@ -670,15 +680,18 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
 
 
 def gluon_register_cap(maxnreg: int):
-    """Launch the Gluon stage 1 with a register cap (0: none) from now on,
-    through the hook its tests use to run it elsewhere."""
-    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    """Launch the Gluon stage 1 with a register cap (0: its own) from now on,
+    in place of its launcher."""
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
+
+    if not hasattr(gluon, "_own_launch"):
+        gluon._own_launch = gluon._launch
 
     def launch(kernel, grid, args, constexprs):
         opts = {"maxnreg": maxnreg} if maxnreg else {}
         kernel[grid](*args, **constexprs, num_warps=constexprs["W"], **opts)
 
-    splitkv._gluon_runner = launch if maxnreg else None
+    gluon._launch = launch if maxnreg else gluon._own_launch
 
 
 def bench_splits(cases, presets, timer, bw, rows, log):

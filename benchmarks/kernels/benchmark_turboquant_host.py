@@ -285,7 +285,7 @@ def launch_breakdown(preset: str, device) -> dict:
     skips both (the arguments captured from a decode step of 16 rows)."""
     from triton.runtime.jit import compute_cache_key
 
-    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
 
     captured = {}
 
@@ -297,11 +297,11 @@ def launch_breakdown(preset: str, device) -> dict:
     impl, layer, cache = _tq_layer(preset, num_pages, device)
     meta = _tq_builder(8192, device).build(0, cam)
     q = torch.randn(16, HQ * D, device=device, dtype=torch.bfloat16)
-    old, splitkv._gluon_runner = splitkv._gluon_runner, runner
+    old, gluon._launch = gluon._launch, runner
     try:
         impl.forward(layer, q, q, q, cache, meta, output=torch.empty_like(q))
     finally:
-        splitkv._gluon_runner = old
+        gluon._launch = old
     torch.cuda.synchronize()
     kernel, grid = captured["kernel"], captured["grid"]
     args, kw = captured["args"], dict(captured["constexprs"])

@@ -27,7 +27,9 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 PRESETS = [
     "turboquant_k8v4",
@@ -153,6 +155,8 @@ def compile_stage1(
         TurboQuantConfig,
     )
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    from vllm.v1.attention.ops.turboquant_decode import MIN_SPLIT_TOKENS
+    from vllm.v1.attention.ops.turboquant_slot_layout import config_slot_layout
 
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
     fn = splitkv._tq_decode_split_stage1
@@ -169,24 +173,16 @@ def compile_stage1(
         Mid_ptr="*fp32",
         qk_scale="fp32",
     )
-    mse_bytes = 0 if cfg.key_fp8 else head_dim * cfg.key_mse_bits // 8
-    constants = dict(
-        SPLIT=True,
-        MIN_TOKENS=splitkv.MIN_SPLIT_TOKENS,
-        HEAD_DIM=head_dim,
-        PAGE=16,
-        GROUP=group,
-        BLOCK_N=block_n,
-        KEY_FP8=cfg.key_fp8,
-        KEY_CHUNK=max(min(head_dim, key_chunk), head_dim // 8),
-        MSE_BITS=0 if cfg.key_fp8 else cfg.key_mse_bits,
-        MSE_WORDS=mse_bytes // 2,
-        KPS_WORDS=cfg.key_packed_size // 2,
-        VQB=cfg.value_quant_bits,
-        VAL_WORDS=head_dim * cfg.value_quant_bits // 16,
-        NORM_CORRECTION=cfg.norm_correction and not cfg.key_fp8,
-        FP8_E4B15=0,
-        WORD16=word16,
+    constants = splitkv.stage1_constexprs(
+        config_slot_layout(cfg),
+        16,
+        group,
+        (block_n, num_warps, key_chunk, maxnreg),
+        True,
+        MIN_SPLIT_TOKENS,
+        cfg.norm_correction,
+        0,
+        word16,
     )
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32")
@@ -208,6 +204,18 @@ def compile_stage1(
     return registers, spills, shared, per_sm, loop * num_warps / block_n
 
 
+def gluon_static_compile():
+    """The tests' compile of the Gluon stage 1 without a GPU
+    (tests/kernels/attention/gluon_static_compile.py), from this checkout:
+    run as a file, only the script's own folder is on sys.path."""
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.kernels.attention import gluon_static_compile
+
+    return gluon_static_compile
+
+
 def compile_gluon_stage1(preset, head_dim, group, arch):
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
@@ -227,7 +235,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         centroids = fp16_centroids(head_dim, cfg.key_mse_bits)
         gluon_decode.key_table(centroids)
         tails = gluon_decode.key_tails(centroids)
-    kernel = gluon_decode.static_compile(
+    kernel = gluon_static_compile().static_compile(
         head_dim,
         group,
         cfg.key_fp8,

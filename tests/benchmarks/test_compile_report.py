@@ -134,10 +134,10 @@ def test_gluon_report_compiles_its_cases_token_stride(monkeypatch):
     model's (3bit_nc at head_dim 256: 186 registers against 203-205 at run
     time): the report compiles the stride of its case's KV heads."""
     pytest.importorskip("triton.experimental.gluon")
+    from tests.kernels.attention import gluon_static_compile
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TurboQuantConfig,
     )
-    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon_decode
 
     report = import_benchmark("benchmarks.kernels.compile_report_turboquant_decode")
     strides = []
@@ -146,7 +146,7 @@ def test_gluon_report_compiles_its_cases_token_stride(monkeypatch):
         strides.append(args[6])
         raise LookupError("stop after the compile's arguments")
 
-    monkeypatch.setattr(gluon_decode, "static_compile", compiled)
+    monkeypatch.setattr(gluon_static_compile, "static_compile", compiled)
     for head_dim, kv_heads in ((128, 8), (256, 4), (512, 4)):
         with pytest.raises(LookupError):
             report.compile_gluon_stage1(

@@ -160,10 +160,10 @@ def test_mse_presets_are_timed_with_the_backends_query_rotation(monkeypatch):
     # reading at 16 x 8K on an H100.
     import torch
 
-    from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+    from vllm.v1.attention.ops import turboquant_decode as tq_decode
 
     calls = []
-    monkeypatch.setattr(splitkv, "decode_attention", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(tq_decode, "decode_attention", lambda *a, **k: calls.append(k))
     bench = _bench()
     for preset, hadamard in (("turboquant_4bit_nc", True), ("turboquant_k8v4", False)):
         cfg = bench.tq_config(preset, 128)

@@ -17,18 +17,6 @@ from hybridkv.base import REPO
 
 OVERLAY = REPO / "vllm"
 
-# Cycles known and not yet broken, each with the issue that breaks it.
-KNOWN_CYCLES = {
-    # Issue 45: the split-KV decode picks the Gluon stage 1 inside a function
-    # and the Gluon module borrows the split-KV launch helpers the same way.
-    frozenset(
-        {
-            "vllm.v1.attention.ops.gluon_turboquant_decode",
-            "vllm.v1.attention.ops.triton_turboquant_decode_splitkv",
-        }
-    ),
-}
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
@@ -157,11 +145,8 @@ def test_the_graph_sees_the_overlay_and_its_imports():
 
 def test_no_import_cycles_among_overlay_modules():
     graph = import_graph()
-    found = set(cycles(graph))
-    new = [_describe(c, graph) for c in found - KNOWN_CYCLES]
-    assert not new, "import cycles among the overlay modules: " + " | ".join(new)
-    # A known cycle that is gone leaves the list.
-    assert found >= KNOWN_CYCLES, f"no longer cycles: {KNOWN_CYCLES - found}"
+    found = [_describe(c, graph) for c in cycles(graph)]
+    assert not found, "import cycles among the overlay modules: " + " | ".join(found)
 
 
 def test_cycles_finds_a_cycle_through_three_modules():
@@ -172,5 +157,4 @@ def test_cycles_finds_a_cycle_through_three_modules():
 if __name__ == "__main__":
     graph = import_graph()
     for cycle in cycles(graph):
-        known = " (known)" if cycle in KNOWN_CYCLES else ""
-        print(f"cycle{known}: {_describe(cycle, graph)}")
+        print(f"cycle: {_describe(cycle, graph)}")

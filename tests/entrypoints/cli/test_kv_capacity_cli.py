@@ -8,7 +8,9 @@ plain install; uvicorn and FastAPI are made unimportable, so the command must
 not import the serving stack.
 """
 
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -327,6 +329,103 @@ def test_a_planner_bug_has_its_own_exit_status(tmp_path, capsys, monkeypatch):
     assert "RuntimeError: a planner bug" in err
 
 
+# --- the planner names request fields; the command line names its options ----
+
+
+def test_every_request_field_the_planner_names_is_an_option():
+    from vllm.v1.core import kv_cache_capacity as capacity
+
+    options = kv_capacity.request_options()
+    request_fields = {f.name for f in dataclasses.fields(capacity.CapacityRequest)}
+    # An error's ``field`` is a request field; each one is an option.
+    assert request_fields <= set(options), request_fields - set(options)
+    # Every field named in backquotes in the planner's texts is a request
+    # field, so it is mapped rather than printed as written.
+    source = Path(capacity.__file__).read_text()
+    named = set(kv_capacity.FIELD_IN_TEXT.findall(source))
+    assert named and named <= request_fields, named - request_fields
+    assert options["model"] == ("MODEL_DIR", True)
+    assert options["tensor_parallel_size"] == ("--tensor-parallel-size", True)
+    assert options["pristine"] == ("--pristine", False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "memory", "expected"),
+    [
+        (
+            ["--max-model-len", "0"],
+            ("--kv-cache-memory-bytes", str(GIB)),
+            "--max-model-len 0: must be greater than 0. Give the context length "
+            "to plan.",
+        ),
+        (
+            ["--draft", "{model}"],
+            ("--kv-cache-memory-bytes", str(GIB)),
+            "--draft {model}: needs --num-speculative-tokens N (N >= 1), the tokens "
+            "the draft model proposes per step.",
+        ),
+        (
+            ["--kv-cache-dtype-skip-layers", "3", "1"],
+            ("--kv-cache-memory-bytes", str(GIB)),
+            "--kv-cache-dtype-skip-layers 3 1: the KV cache is not quantized "
+            "(--kv-cache-dtype auto), so every layer already stores the model "
+            "dtype and the entries have no effect. Leave the option out, or give a "
+            "quantized --kv-cache-dtype (fp8, turboquant_4bit_nc, ...).",
+        ),
+        (
+            [],
+            (),
+            "no memory to plan with: give --kv-cache-memory-bytes (the KV-cache "
+            "memory per GPU), or --gpu-memory-gib (one GPU's memory) and "
+            "--weights-gib (the whole model's weights; divided by the "
+            "tensor-parallel size).",
+        ),
+        (
+            ["--weights-gib", "100"],
+            ("--gpu-memory-gib", "24"),
+            "nothing left for the KV cache: 24.0 GiB x 0.92 = 22.08 GiB per GPU, "
+            "minus weights 100.00 GiB (--weights-gib / --tensor-parallel-size) and "
+            "--overhead-gib 1.0 leaves -78.92 GiB. Use more or larger GPUs, a "
+            "higher --gpu-memory-utilization, or smaller weights.",
+        ),
+    ],
+)
+def test_errors_name_options(tmp_path, capsys, argv, memory, expected):
+    model = qwen3_config(tmp_path / "m")
+    argv = [a.format(model=model) for a in argv]
+    rc, out, err = kv_capacity_run(capsys, model, *argv, "--json", memory=memory)
+    assert rc == BAD_INPUT
+    assert err.strip().splitlines()[-1] == (
+        f"vllm kv-capacity: error: {expected.format(model=model)}"
+    )
+    assert json.loads(out)["error"] == expected.format(model=model)
+
+
+def test_warnings_name_options(tmp_path, capsys, caplog_vllm):
+    caplog_vllm.set_level(logging.WARNING, logger="vllm")
+    model = qwen3_config(tmp_path / "m")
+    rc, out, err = kv_capacity_run(
+        capsys,
+        model,
+        "--weights-gib", "8", "--language-model-only",
+        "--max-num-batched-tokens", "4096", "--json",
+    )  # fmt: skip
+    assert rc == PLANNED, err
+    report = json.loads(out)
+    warnings = [
+        "--weights-gib 8.0: no effect, --kv-cache-memory-bytes gives the KV-cache "
+        "memory (only --gpu-memory-gib still counts: it picks the engine's "
+        "scheduler defaults).",
+        "--language-model-only: no effect, the model has no multimodal encoder.",
+    ]
+    assert report["warnings"] == warnings
+    assert report["max_num_batched_tokens_source"] == "--max-num-batched-tokens"
+    logged = [
+        r.getMessage() for r in caplog_vllm.records if r.name.endswith("capacity")
+    ]
+    assert logged == warnings
+
+
 def test_new_engine_options_are_accepted(tmp_path, capsys):
     model = qwen3_config(tmp_path / "m")
     rc, out, err = kv_capacity_run(
@@ -336,6 +435,104 @@ def test_new_engine_options_are_accepted(tmp_path, capsys):
     )  # fmt: skip
     assert rc == PLANNED, err
     assert json.loads(out)["max_num_batched_tokens"] == 4096
+
+
+# --- issue 47: prefix caching and the Mamba cache mode ------------------------
+
+
+def test_prefix_caching_flags_parse_and_are_in_help(capsys):
+    parser = kv_capacity.make_parser()
+    base = ["m", "--max-model-len", "1"]
+    args = parser.parse_args(
+        [*base, "--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    )
+    request = kv_capacity.request_from_args(args)
+    assert (request.enable_prefix_caching, request.mamba_cache_mode) == (True, "align")
+    args = parser.parse_args([*base, "--no-enable-prefix-caching"])
+    assert kv_capacity.request_from_args(args).enable_prefix_caching is False
+    # Left out: the engine's default for the model, and vLLM's mode.
+    request = kv_capacity.request_from_args(parser.parse_args(base))
+    assert (request.enable_prefix_caching, request.mamba_cache_mode) == (None, None)
+    options = kv_capacity.request_options()
+    assert options["enable_prefix_caching"] == ("--enable-prefix-caching", False)
+    assert options["mamba_cache_mode"] == ("--mamba-cache-mode", True)
+    with pytest.raises(SystemExit) as e:
+        kv_capacity.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text
+    assert "--mamba-cache-mode {all,align,none}" in text
+
+
+def test_mamba_cache_modes_are_vllms():
+    from typing import get_args
+
+    from vllm.config.cache import MambaCacheMode
+
+    assert get_args(MambaCacheMode) == kv_capacity.MAMBA_CACHE_MODES
+
+
+def test_a_mode_vllm_does_not_have_is_a_usage_error(tmp_path, capsys):
+    model = qwen3_config(tmp_path / "m")
+    with pytest.raises(SystemExit) as e:
+        kv_capacity_run(
+            capsys, model,
+            "--enable-prefix-caching", "--mamba-cache-mode", "everything", "--json",
+        )  # fmt: skip
+    assert e.value.code == BAD_INPUT
+    document = json.loads(capsys.readouterr().out)
+    assert document["error_type"] == "usage"
+    assert document["error"].startswith(
+        "argument --mamba-cache-mode: invalid choice: 'everything'"
+    )
+
+
+def test_a_mode_without_effect_names_the_flag(tmp_path, capsys):
+    model = qwen3_config(tmp_path / "m")
+    rc, out, err = kv_capacity_run(
+        capsys, model, "--enable-prefix-caching", "--mamba-cache-mode", "align"
+    )
+    assert rc == BAD_INPUT
+    assert err.strip().splitlines()[-1] == (
+        "vllm kv-capacity: error: --mamba-cache-mode align: the model has no "
+        "GDN/Mamba layers, so it has no effect. Leave it out."
+    )
+
+
+def test_hybrid_with_prefix_caching_plans_as_the_python_api(tmp_path, capsys):
+    """The command, as after a plain install, plans the tiny Qwen3-Next with
+    prefix caching as the Python API does, at the KV tokens the engine
+    measured (PREFIX_CACHING.md: 123,736 on an H200)."""
+    from tests.models.tiny_hybrids import prefix_cache_matrix as pcm
+    from tests.models.tiny_hybrids import prefix_cache_plan
+    from vllm.v1.core import kv_cache_capacity as capacity
+
+    model = prefix_cache_plan.write_configs(tmp_path, {"qwen3_next"})["qwen3_next"]
+    request = prefix_cache_plan.cell_request(
+        pcm.Cell("qwen3_next", "auto", "none", "align"), model
+    )
+    argv = prefix_cache_plan.cli_argv(request)
+    assert argv[-3:] == ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
+    out = vllm("kv-capacity", *argv, "--json")
+    assert out.returncode == PLANNED, out.stderr
+    report = json.loads(out.stdout)
+    assert report["kv_tokens"] == capacity.plan_capacity(request).kv_tokens == 123736
+    assert report["enable_prefix_caching"] is True
+    assert report["mamba_cache_mode"] == "align"
+    assert report["mamba_block_size"] == report["block_size"] == 80
+    # Without prefix caching the mode would change nothing: refused by flag.
+    rc = kv_capacity.main([*argv[:-3], "--mamba-cache-mode", "align"])
+    err = capsys.readouterr().err
+    assert rc == BAD_INPUT
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(
+        "vllm kv-capacity: error: --mamba-cache-mode align: a Mamba cache mode "
+        "applies only with prefix caching, which is off (the engine's default "
+        "for GDN/Mamba hybrids)"
+    )
+    assert message.endswith(
+        "Turn prefix caching on with --enable-prefix-caching, or leave the mode out."
+    )
 
 
 # Modules a help text has no use for: the engine, its configs, the platforms,

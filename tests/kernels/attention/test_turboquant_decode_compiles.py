@@ -28,6 +28,8 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops import turboquant_decode as tq_decode
+from vllm.v1.attention.ops import turboquant_device
 
 pytest.importorskip("triton.experimental.gluon")
 gluon_decode = importlib.import_module("vllm.v1.attention.ops.gluon_turboquant_decode")
@@ -74,7 +76,7 @@ class _CompileKeys:
 
 def _launch_keys(monkeypatch, preset, gluon, batches):
     """Every compile key of the decode's kernels over ``batches``."""
-    monkeypatch.setattr(splitkv, "_sm_counts", {0: SMS})
+    monkeypatch.setattr(turboquant_device, "_sm_counts", {0: SMS})
     stage1 = _CompileKeys(
         gluon_decode._stage1 if gluon else splitkv._tq_decode_split_stage1
     )
@@ -82,11 +84,11 @@ def _launch_keys(monkeypatch, preset, gluon, batches):
     monkeypatch.setattr(splitkv, "_tq_decode_split_stage1", stage1)
     monkeypatch.setattr(splitkv, "_tq_decode_split_merge", merge)
     monkeypatch.setattr(
-        splitkv, "_gluon_for", lambda d: gluon_decode if gluon else None
+        tq_decode, "gluon_stage1", lambda d: gluon_decode if gluon else None
     )
     monkeypatch.setattr(
-        splitkv,
-        "_gluon_runner",
+        gluon_decode,
+        "_launch",
         lambda kernel, grid, args, constexprs: stage1.add(
             grid, args, {**constexprs, "num_warps": constexprs["W"]}
         ),

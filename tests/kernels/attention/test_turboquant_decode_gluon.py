@@ -46,9 +46,14 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
 )
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops import turboquant_decode as tq_decode
+from vllm.v1.attention.ops import turboquant_device
 
 pytest.importorskip("triton.experimental.gluon")
 gluon_decode = importlib.import_module("vllm.v1.attention.ops.gluon_turboquant_decode")
+gluon_static_compile = importlib.import_module(
+    "tests.kernels.attention.gluon_static_compile"
+)
 
 
 @pytest.fixture
@@ -62,8 +67,8 @@ def gluon_on_numpy(monkeypatch):
         grids.append(grid)
         run(kernel, grid, args, constexprs)
 
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", runner)
     monkeypatch.setattr(gluon_decode, "_tables", {})
     return grids
 
@@ -302,8 +307,8 @@ def test_a_fault_in_the_unpacking_turns_the_check_red(
 
         models["_e4m3x4_to_f16"] = wrong
         preset = "turboquant_k8v4"
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", gluon_numpy.runner(models))
     with pytest.raises(AssertionError, match="max error"):
         check_decode(triton_interpret, preset, 128, 4, [45, 70])
 
@@ -423,8 +428,8 @@ def test_fp16_centroids_take_one_dot_per_chunk(
         assert constexprs["GRAM"] and not constexprs["SQUARES"]
         run(kernel, grid, args, constexprs)
 
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", runner)
     monkeypatch.setattr(gluon_decode, "_tables", {})
     if fault is None:
         check_decode(triton_interpret, preset, head_dim, 4, [19, 45], splits=2)
@@ -459,8 +464,8 @@ def test_a_warp_that_reads_only_its_own_partials_turns_the_check_red(
         return x
 
     monkeypatch.setattr(gluon_numpy._Shared, "load", own_only)
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner())
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", gluon_numpy.runner())
     monkeypatch.setattr(gluon_decode, "_tables", {})
     with pytest.raises(AssertionError, match="max error"):
         check_decode(triton_interpret, preset, 256, 4, [19, 45], splits=2)
@@ -495,8 +500,8 @@ def test_4bit_slots_are_read_as_shifted_words(
         seen.append(constexprs["SHIFTED"])
         run(kernel, grid, args, constexprs)
 
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", runner)
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", runner)
     check_decode(
         triton_interpret,
         preset,
@@ -545,8 +550,8 @@ def test_a_shifted_field_without_its_last_half_word_turns_the_check_red(
         return out
 
     models[helper.fn.__name__] = funnel
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: gluon_decode)
-    monkeypatch.setattr(splitkv, "_gluon_runner", gluon_numpy.runner(models))
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon_decode)
+    monkeypatch.setattr(gluon_decode, "_launch", gluon_numpy.runner(models))
     with pytest.raises(AssertionError, match="max error"):
         check_decode(triton_interpret, "turboquant_4bit_nc", 128, 4, [45, 70])
 
@@ -860,7 +865,7 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
     if key_tails and cfg.key_fp8:
         pytest.skip("FP8 keys have no centroids")
-    kernel = gluon_decode.static_compile(
+    kernel = gluon_static_compile.static_compile(
         head_dim,
         gqa,
         cfg.key_fp8,
@@ -889,7 +894,7 @@ def test_stage1_waits_for_the_kernel_ahead_before_any_load(arch, pdl):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiled in the session without the Triton interpreter")
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 128)
-    kernel = gluon_decode.static_compile(
+    kernel = gluon_static_compile.static_compile(
         128, 4, False, cfg.key_mse_bits, cfg.key_packed_size,
         cfg.norm_correction, cfg.slot_size_aligned, arch=arch,
     )  # fmt: skip
@@ -933,12 +938,13 @@ def test_a_kernel_launched_before_the_one_ahead_ends_waits_for_it(
 
     rotation, stage1, merge = _Launches(), _Launches(), _Launches()
     monkeypatch.setattr(splitkv, "programmatic_launch", lambda device: sm90)
+    monkeypatch.setattr(gluon_decode, "programmatic_launch", lambda device: sm90)
     monkeypatch.setattr(rotation_mod, "_tq_rotate_query", rotation)
     monkeypatch.setattr(gluon_decode, "_stage1", stage1)
     monkeypatch.setattr(splitkv, "_tq_decode_split_stage1", stage1)
     monkeypatch.setattr(splitkv, "_tq_decode_split_merge", merge)
     monkeypatch.setattr(
-        splitkv, "_gluon_for", lambda d: gluon_decode if gluon else None
+        tq_decode, "gluon_stage1", lambda d: gluon_decode if gluon else None
     )
     monkeypatch.setattr(gluon_decode, "_tables", {})
     cfg, centroids, pit, cache, table = packed_case(
@@ -979,17 +985,23 @@ def test_nvidia_only_paths_are_chosen_on_nvidia_gpus_only(
     (``griddepcontrol``) exist on NVIDIA GPUs only: chosen on ROCm, the first
     decode fails to compile."""
     monkeypatch.setattr(
-        splitkv, "current_platform", SimpleNamespace(is_cuda=lambda: platform == "cuda")
+        turboquant_device,
+        "current_platform",
+        SimpleNamespace(is_cuda=lambda: platform == "cuda"),
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
     # Fresh caches, put back afterwards: the stand-in GPU must not outlive the test.
     monkeypatch.setattr(
-        splitkv, "_capability", functools.cache(splitkv._capability.__wrapped__)
+        turboquant_device,
+        "_capability",
+        functools.cache(turboquant_device._capability.__wrapped__),
     )
-    monkeypatch.setattr(splitkv, "_gluon_modules", {})
+    monkeypatch.setattr(
+        tq_decode, "gluon_stage1", functools.cache(tq_decode.gluon_stage1.__wrapped__)
+    )
     device = torch.device("cuda", 0)
-    assert (splitkv._gluon_module(device, enabled=True) is not None) is gluon
-    assert splitkv.programmatic_launch(device) is pdl
+    assert (tq_decode.gluon_stage1(device) is not None) is gluon
+    assert turboquant_device.programmatic_launch(device) is pdl
 
 
 @pytest.mark.gpu
@@ -1020,9 +1032,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     query = torch.randn(len(seq_lens), Hq, D, device=device)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B = len(seq_lens)
-    monkeypatch.setattr(
-        splitkv, "_gluon_for", lambda d: splitkv._gluon_module(d, enabled=True)
-    )
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
     launched = []
     real = gluon_decode.stage1
     monkeypatch.setattr(
@@ -1052,7 +1062,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     got = decode()
     assert launched, "decode_attention did not take the Gluon stage 1"
     assert launched[0] == (levels == "solver" and not cfg.key_fp8)
-    monkeypatch.setattr(splitkv, "_gluon_for", lambda device: None)
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "triton")
     triton_out = decode()
     ref = reference_attention(
         query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5
@@ -1076,9 +1086,7 @@ def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
     centroids, midpoints, pit = tables(cfg, D, device)
     cache, table = stored_cache(cfg, [20000], Hk, D, device, pit, midpoints)
     query = torch.randn(1, Hq, D, device=device)
-    monkeypatch.setattr(
-        splitkv, "_gluon_for", lambda d: splitkv._gluon_module(d, enabled=True)
-    )
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
     splits = []
     real = gluon_decode.stage1
     signature = inspect.signature(real)

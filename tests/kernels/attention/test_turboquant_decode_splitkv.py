@@ -35,7 +35,8 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops import turboquant_decode as tq_decode
+from vllm.v1.attention.ops import turboquant_hadamard as hadamard
 from vllm.v1.attention.ops.triton_turboquant_decode import (
     triton_turboquant_decode_attention,
 )
@@ -117,13 +118,13 @@ def test_decode_hadamard_query(triton_device, preset, head_dim):
 
 def test_only_the_backends_own_matrix_counts_as_hadamard():
     h = _build_hadamard(64, "cpu")
-    assert splitkv.is_backend_hadamard(h)
-    assert splitkv.is_backend_hadamard(_build_hadamard(64, "cpu"))  # cached
+    assert hadamard.is_backend_hadamard(h)
+    assert hadamard.is_backend_hadamard(_build_hadamard(64, "cpu"))  # cached
     # Equal values but another tensor (or any other matrix): the GEMM path.
-    assert not splitkv.is_backend_hadamard(h.clone())
-    assert not splitkv.is_backend_hadamard(torch.linalg.qr(torch.randn(64, 64))[0])
-    assert not splitkv.is_backend_hadamard(None)
-    assert not splitkv.is_backend_hadamard(torch.eye(48))
+    assert not hadamard.is_backend_hadamard(h.clone())
+    assert not hadamard.is_backend_hadamard(torch.linalg.qr(torch.randn(64, 64))[0])
+    assert not hadamard.is_backend_hadamard(None)
+    assert not hadamard.is_backend_hadamard(torch.eye(48))
 
 
 def test_hadamard_lookup_builds_nothing_while_a_graph_is_captured(monkeypatch):
@@ -137,19 +138,19 @@ def test_hadamard_lookup_builds_nothing_while_a_graph_is_captured(monkeypatch):
     monkeypatch.setattr(
         turboquant_attn, "_build_hadamard", lambda d, n: built.append(n) or real(d, n)
     )
-    monkeypatch.setattr(splitkv, "_hadamard_ptrs", {})
+    monkeypatch.setattr(hadamard, "_hadamard_ptrs", {})
     fake = SimpleNamespace(
         dim=h.dim, shape=h.shape, device=h.device, is_cuda=True, data_ptr=h.data_ptr
     )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not splitkv.is_backend_hadamard(fake)  # nothing looked up yet
+    assert not hadamard.is_backend_hadamard(fake)  # nothing looked up yet
     assert not built
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert splitkv.is_backend_hadamard(fake)  # a warm-up run looks it up
+    assert hadamard.is_backend_hadamard(fake)  # a warm-up run looks it up
     assert built
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     built.clear()
-    assert splitkv.is_backend_hadamard(fake)  # the capture reuses that lookup
+    assert hadamard.is_backend_hadamard(fake)  # the capture reuses that lookup
     assert not built
 
 
@@ -163,15 +164,15 @@ def test_hook_rotates_in_registers_only_for_the_backend_matrix(
     if own_matrix:
         pit = _build_hadamard(D, "cpu")
     rotated = []
-    real = splitkv.rotate_query
+    real = tq_decode.rotate_query
 
     def spy(query, PiT):
         rotated.append(PiT)
         return real(query, PiT)
 
-    monkeypatch.setattr(splitkv, "rotate_query", spy)
+    monkeypatch.setattr(tq_decode, "rotate_query", spy)
     query = torch.randn(len(lens), 4 * Hk, D)
-    out = splitkv.maybe_decode_attention(
+    out = tq_decode.maybe_decode_attention(
         query,
         cache,
         table,
@@ -194,18 +195,18 @@ def test_hook_rotates_in_registers_only_for_the_backend_matrix(
 def test_split_count_ignores_sequence_lengths():
     # CUDA graphs replay one launch for every sequence length: the split count
     # depends on the batch shape and the device only (here 132 SMs, cap 32).
-    assert splitkv.num_kv_splits(1, 8, 32, 132) == 32
-    assert splitkv.num_kv_splits(16, 8, 32, 132) == 9
-    assert splitkv.num_kv_splits(16, 4, 32, 132) == 17
-    assert splitkv.num_kv_splits(64, 8, 32, 132) == 3
-    assert splitkv.num_kv_splits(512, 8, 32, 132) == 1
-    assert splitkv.num_kv_splits(1, 8, 4, 132) == 4
+    assert tq_decode.num_kv_splits(1, 8, 32, 132) == 32
+    assert tq_decode.num_kv_splits(16, 8, 32, 132) == 9
+    assert tq_decode.num_kv_splits(16, 4, 32, 132) == 17
+    assert tq_decode.num_kv_splits(64, 8, 32, 132) == 3
+    assert tq_decode.num_kv_splits(512, 8, 32, 132) == 1
+    assert tq_decode.num_kv_splits(1, 8, 4, 132) == 4
 
 
 def test_gluon_split_count_fills_whole_waves():
     # 132 SMs x 8 resident warps: 1,056 one-warp programs per wave (head_dim
     # 128), 528 two-warp ones (256), 264 four-warp ones (512).
-    n = splitkv.gluon_num_splits
+    n = tq_decode.gluon_num_splits
     assert n(16, 8, 1, 132, 128, 8) == 8  # 1,024 programs, one wave; 17 took 3
     assert n(1, 8, 1, 132, 128, 8) == 128  # the cap
     assert n(1, 8, 1, 132, 32, 8) == 32
@@ -228,7 +229,7 @@ def test_gluon_split_count_does_not_split_a_full_batch():
     # cache bounds rows x context) and a split costs about what its tokens
     # do: 500 x 576 on Qwen3-4B took 209 / 290 us at one split and 364 / 531
     # us at the 5 the wave model alone chose (k8v4 / 4bit_nc, H100).
-    n = splitkv.gluon_num_splits
+    n = tq_decode.gluon_num_splits
     assert n(500, 8, 1, 132, 32, 8) == 1
     assert n(300, 8, 1, 132, 32, 8) == 1
     assert n(198, 8, 1, 132, 32, 8) == 1  # 1,584 programs: 1.5 waves of 1,056
@@ -242,33 +243,41 @@ def test_gluon_split_count_does_not_split_a_full_batch():
 
 def test_scratch_holds_more_splits_in_its_spare_rows():
     buf = torch.empty(8, 4, 32, 129)  # the backend's shape: 8 rows x 32 splits
-    assert splitkv.scratch_splits(buf, 8, 4, 128) == 32
-    assert splitkv.scratch_splits(buf, 1, 4, 128) == 256
-    view = splitkv.scratch_view(buf, 1, 4, 128, 128)
+    assert tq_decode.scratch_splits(buf, 8, 4, 128) == 32
+    assert tq_decode.scratch_splits(buf, 1, 4, 128) == 256
+    view = tq_decode.scratch_view(buf, 1, 4, 128, 128)
     assert view.shape == (1, 4, 128, 129)
     assert view.data_ptr() == buf.data_ptr()
-    assert splitkv.scratch_view(buf, 2, 4, 16, 128) is buf
+    assert tq_decode.scratch_view(buf, 2, 4, 16, 128) is buf
     # Not contiguous: only its own split dimension counts.
-    assert splitkv.scratch_splits(buf[:, :, :16], 1, 4, 128) == 16
-    assert splitkv.scratch_splits(buf.half(), 1, 4, 128) == 0
-    assert splitkv.scratch_splits(None, 1, 4, 128) == 0
+    assert tq_decode.scratch_splits(buf[:, :, :16], 1, 4, 128) == 16
+    assert tq_decode.scratch_splits(buf.half(), 1, 4, 128) == 0
+    assert tq_decode.scratch_splits(None, 1, 4, 128) == 0
 
 
-def test_decode_mode_names_a_kernel_or_says_which_exist():
-    assert splitkv.decode_mode("") == "gluon"  # the default
-    assert splitkv.decode_mode(" Triton ") == "triton"
-    assert splitkv.decode_mode("legacy") == "legacy"
-    with pytest.raises(ValueError, match=r"HYBRIDKV_TQ_DECODE='fast'.*gluon, triton"):
-        splitkv.decode_mode("fast")
+def test_decode_stage_names_a_kernel_or_says_which_exist(monkeypatch):
+    import vllm.envs as envs
+
+    def stage():
+        return envs.VLLM_TURBOQUANT_DECODE
+
+    monkeypatch.delenv("VLLM_TURBOQUANT_DECODE", raising=False)
+    assert stage() == "gluon"  # the default
+    for name in ("triton", "legacy"):
+        monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", name)
+        assert stage() == name
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "fast")
+    with pytest.raises(ValueError, match=r"'fast' for VLLM_TURBOQUANT_DECODE.*gluon"):
+        stage()
 
 
 def test_serves_every_supported_layout():
     for d in (64, 128, 256, 512):
         for gqa in range(1, 9):
             for bits, fp8 in ((4, False), (3, False), (0, True)):
-                assert splitkv.supports(d, 4 * gqa, 4, bits, 4, fp8)
-    assert not splitkv.supports(96, 8, 2, 4, 4, False)
-    assert not splitkv.supports(128, 32, 2, 4, 4, False)  # GQA 16: 0.20.2's
+                assert tq_decode.supports(d, 4 * gqa, 4, bits, 4, fp8)
+    assert not tq_decode.supports(96, 8, 2, 4, 4, False)
+    assert not tq_decode.supports(128, 32, 2, 4, 4, False)  # GQA 16: 0.20.2's
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -276,21 +285,21 @@ def test_backend_decode_routes_here(triton_interpret, monkeypatch, enabled):
     """``TurboQuantAttentionImpl._decode_attention`` reaches this kernel
     (through 0.20.2's entry point, which it hooks), on the verify rows'
     lengths and block table, with the layer's shared scratch;
-    ``HYBRIDKV_TQ_DECODE=legacy`` (ENABLED False) keeps 0.20.2's kernel."""
+    ``VLLM_TURBOQUANT_DECODE=legacy`` keeps 0.20.2's kernel."""
     from vllm.v1.attention.backends import turboquant_attn
 
     preset, D, gqa, Hk = "turboquant_4bit_nc", 64, 4, 2
     lens = [21, 22, 0]
     cfg, centroids, pit, cache, table = packed_case(preset, D, lens, Hk, "cpu")
     calls = []
-    real = splitkv.decode_attention
+    real = tq_decode.decode_attention
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("mid_o_buf"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(splitkv, "ENABLED", enabled)
-    monkeypatch.setattr(splitkv, "decode_attention", spy)
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon" if enabled else "legacy")
+    monkeypatch.setattr(tq_decode, "decode_attention", spy)
     impl = object.__new__(turboquant_attn.TurboQuantAttentionImpl)
     impl.scale, impl.tq_config, impl.max_num_kv_splits = D**-0.5, cfg, 8
     Hq = gqa * Hk

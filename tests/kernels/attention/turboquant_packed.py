@@ -19,7 +19,7 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
     TurboQuantConfig,
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
+from vllm.v1.attention.ops import turboquant_decode as tq_decode
 
 PRESETS = list(TQ_PRESETS)
 PAGE = 16
@@ -186,7 +186,7 @@ def decode(query, cache, table, seq_t, cfg, centroids, pit, scale=None, **kwargs
     """``decode_attention`` with the preset's arguments from ``cfg``; the
     softmax scale defaults to head_dim ** -0.5 (the benchmark calls this too)."""
     D = query.shape[-1]
-    return splitkv.decode_attention(
+    return tq_decode.decode_attention(
         query,
         cache,
         table,

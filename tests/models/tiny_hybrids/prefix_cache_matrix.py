@@ -49,8 +49,16 @@ dense Qwen3 is the control (no Mamba cache mode). Per cell:
 
     python -m tests.models.tiny_hybrids.prefix_cache_matrix OUTDIR [--jobs N]
         [--deadline S] [--only SUBSTR] [--workdir DIR] [--hits N]
-        [--new-tokens N] [--cg NONE|FULL_AND_PIECEWISE] [--no-plan]
+        [--new-tokens N] [--cg NONE|FULL_AND_PIECEWISE] [--no-plan] [--preempt]
     python -m tests.models.tiny_hybrids.prefix_cache_matrix --table OUTDIR/matrix.json
+
+``--preempt`` serves the prefix-caching cells from KV memory for
+``PREEMPT_REQUESTS`` requests of max_model_len (the CPU plan's concurrency
+at the fixed budget, so the plan runs first), while the cold engines keep
+the fixed budget: a batch of hit requests then outgrows the cache, the
+scheduler preempts (``vllm:num_preemptions``, the ``preempted`` column) and
+recomputes, and hit vs cold says whether a preempted request, served from
+cached blocks again, still gives the cold engine's tokens.
 
 ``--only`` keeps the cells whose name (``model.kv.spec.mode``) contains the
 substring; the cold engines they need come along. Engines start in compile
@@ -116,6 +124,10 @@ MAX_NUM_BATCHED_TOKENS = 8192
 # Fixed, so engines can share a GPU and the planner's figure is comparable.
 KV_CACHE_MEMORY_BYTES = 512 * 2**20
 GPU_MEMORY_UTILIZATION = 0.08
+# --preempt: the prefix-caching engines get KV memory for this many requests
+# of max_model_len (the CPU plan's concurrency at KV_CACHE_MEMORY_BYTES), so
+# a batch of hit requests outgrows it and the scheduler preempts.
+PREEMPT_REQUESTS = 1.15
 DEADLINE = 510
 TIMEOUT = 300
 PREFIX_SEED = 4700
@@ -391,7 +403,12 @@ def build_checkpoints(root: Path, names: list[str]) -> dict[str, str]:
     }
 
 
-def engine_kwargs(cell: Cell, ckpts: dict[str, str], cg: str = "NONE") -> dict:
+def engine_kwargs(
+    cell: Cell,
+    ckpts: dict[str, str],
+    cg: str = "NONE",
+    kv_bytes: int = KV_CACHE_MEMORY_BYTES,
+) -> dict:
     from . import checkpoints as ck
 
     kwargs: dict[str, Any] = dict(
@@ -400,7 +417,7 @@ def engine_kwargs(cell: Cell, ckpts: dict[str, str], cg: str = "NONE") -> dict:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES,
+        kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         kv_cache_dtype=cell.kv,
         dtype=ck.MATRIX_DTYPE,
@@ -423,6 +440,33 @@ def engine_kwargs(cell: Cell, ckpts: dict[str, str], cg: str = "NONE") -> dict:
             "max_cudagraph_capture_size": MAX_NUM_SEQS * 4,
         }
     return kwargs
+
+
+def preemptions(metrics: list) -> int:
+    """Requests the scheduler preempted (``vllm:num_preemptions``)."""
+    return int(
+        sum(
+            m.value
+            for m in metrics
+            if m.name.removesuffix("_total") == "vllm:num_preemptions"
+            and hasattr(m, "value")
+        )
+    )
+
+
+def preempt_budgets(
+    chosen: list[Cell], plans: dict[str, dict[str, Any]]
+) -> dict[str, int]:
+    """KV bytes per prefix-caching cell for ``PREEMPT_REQUESTS`` requests of
+    max_model_len, from the CPU plan's concurrency at the matrix's budget
+    (KV memory is whole pages, so it scales with the bytes); cells the plan
+    has no concurrency for are left out (they keep the matrix's budget)."""
+    out = {}
+    for c in chosen:
+        concurrency = (plans.get(c.name) or {}).get("max_concurrency")
+        if c.prefix_caching and concurrency:
+            out[c.name] = int(KV_CACHE_MEMORY_BYTES * PREEMPT_REQUESTS / concurrency)
+    return out
 
 
 def prefix_counters(metrics: list) -> dict[str, float]:
@@ -521,6 +565,7 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
         "phase_counts": counts,
         "seconds": round(time.perf_counter() - start, 2),
         "metrics": sdm.spec_metrics(llm.get_metrics()),
+        "preemptions": preemptions(llm.get_metrics()),
     }
     if args.get("logprobs"):
         result["gaps"] = gaps
@@ -528,8 +573,9 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_args(cell: Cell, ckpts: dict[str, str], args: argparse.Namespace) -> dict:
+    kv_bytes = getattr(args, "kv_budgets", {}).get(cell.name, KV_CACHE_MEMORY_BYTES)
     return {
-        "engine": engine_kwargs(cell, ckpts, args.cg),
+        "engine": engine_kwargs(cell, ckpts, args.cg, kv_bytes),
         "prefix_lens": list(args.prefix_lens),
         "hits": args.hits,
         "warm_suffix": args.warm_suffix,
@@ -658,6 +704,8 @@ def verdict(cell: Cell, row: dict[str, Any]) -> str:
         sum(h.get("cached") or []) > 0 for h in row.get("hit_rates", {}).values()
     ):
         verdict_ += " (no hits)"
+    if row.get("kv_budget") is not None and not row.get("preemptions"):
+        verdict_ += " (no preemption)"
     return verdict_
 
 
@@ -666,14 +714,19 @@ def cell_row(
     records: dict[str, dict[str, Any]],
     phases: list[list[Request]],
     plans: dict[str, dict[str, Any]] | None = None,
+    budgets: dict[str, int] | None = None,
 ) -> dict[str, Any]:
+    """``budgets``: the KV bytes of cells run with less than the matrix's
+    (``--preempt``); the plan at the matrix's budget is not theirs."""
     requests = flat(phases)
     rec = records.get(cell.name, {"crash": "NOT RUN (not scheduled)"})
     row: dict[str, Any] = {**dataclasses.asdict(cell), "name": cell.name}
     row["wall"] = rec.get("wall")
     row["kv_tokens_log"] = rec.get("kv_tokens_log")
+    row["preemptions"] = rec.get("preemptions")
+    row["kv_budget"] = (budgets or {}).get(cell.name)
     plan = (plans or {}).get(cell.name)
-    if plan is not None:
+    if plan is not None and row["kv_budget"] is None:
         row["plan"] = {
             k: plan.get(k)
             for k in ("error", "block_size", "kv_tokens", "mode_effective")
@@ -758,6 +811,7 @@ TABLE_COLUMNS = (
     "page B",
     "KV tokens",
     "plan",
+    "preempted",
     *(f"hit {g}" for g in ("2K", "8K", "2K-pre", "8K-pre")),
     "hit vs cold",
     "warm vs cold",
@@ -803,6 +857,7 @@ def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 _pages(engine) if engine else "-",
                 f"{kv_tokens:,}" if kv_tokens else "-",
                 plan_text if engine else "-",
+                str(r["preemptions"]) if r.get("preemptions") is not None else "-",
                 *(_hit_cell(hits.get(g)) for g in ("2K", "8K", "2K-pre", "8K-pre")),
                 _cmp(hit),
                 _cmp(warm),
@@ -948,7 +1003,14 @@ def run_matrix(args: argparse.Namespace) -> int:
     engines = engine_plan(chosen)
     plans: dict[str, dict[str, Any]] = {}
     planner = None
-    if args.plan:
+    args.kv_budgets = {}
+    if args.preempt:
+        # The budgets come from the plan: it runs first.
+        deadline = t0 + args.deadline if args.deadline else None
+        plans.update(run_plans(outdir, args.workdir, args.only, deadline))
+        args.kv_budgets = preempt_budgets(chosen, plans)
+        print(f"preemption budgets (KV bytes): {args.kv_budgets}", flush=True)
+    elif args.plan:
         deadline = t0 + args.deadline if args.deadline else None
         planner = threading.Thread(
             target=lambda: plans.update(
@@ -968,7 +1030,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     phases = build_phases(
         tuple(args.prefix_lens), args.hits, warm_suffix_len=args.warm_suffix
     )
-    rows = [cell_row(c, records, phases, plans) for c in chosen]
+    rows = [cell_row(c, records, phases, plans, args.kv_budgets) for c in chosen]
     cold_rows = [cold_row(c, records) for c in engines if c.mode == COLD]
     result = {
         "rows": rows,
@@ -984,6 +1046,7 @@ def run_matrix(args: argparse.Namespace) -> int:
             "max_model_len": MAX_MODEL_LEN,
             "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES,
+            "kv_budgets": args.kv_budgets,
             "labels": [r.label for r in flat(phases)],
             "prompt_lengths": [len(r.tokens) for r in flat(phases)],
         },
@@ -1017,8 +1080,10 @@ def table_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     )
     names = [r["name"] for r in data["rows"]]
     by_name = {c.name: c for c in cells()}
+    budgets = settings.get("kv_budgets")
     return [
-        cell_row(by_name[n], data["records"], phases, data.get("plans")) for n in names
+        cell_row(by_name[n], data["records"], phases, data.get("plans"), budgets)
+        for n in names
     ]
 
 
@@ -1059,6 +1124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("NONE", "PIECEWISE", "FULL_AND_PIECEWISE"),
         default="NONE",
         help="cudagraph mode (NONE: eager engines)",
+    )
+    p.add_argument(
+        "--preempt",
+        action="store_true",
+        help=f"prefix-caching engines get KV memory for {PREEMPT_REQUESTS} "
+        "max-length requests (from the CPU plan, run first), so batches of hit "
+        "requests are preempted; cold engines keep the matrix's budget",
     )
     p.add_argument(
         "--no-plan",

@@ -10,17 +10,20 @@ Qwen3-Coder-Next-80B-A3B, Qwen3.6-27B, Qwen3-4B as the dense control), the
 configuration goes through the capacity planner of patch 0006
 (``vllm.v1.core.kv_cache_capacity.plan_capacity``: ``EngineArgs`` ->
 ``create_engine_config`` for a CUDA target on this host, the hybrid page
-planner, the engine's own ``get_kv_cache_configs``) with
-``enable_prefix_caching=True`` and ``mamba_cache_mode`` passed through to
-``EngineArgs`` (and ngram speculation, which the planner's request cannot
-name). The planner's own request has no prefix-caching field and
-``vllm kv-capacity`` no ``--enable-prefix-caching`` option (probed here and
-recorded), so this drives the planner's engine-argument class from outside
-without changing it. Per cell: accepted or the first line of the refusal,
-the Mamba cache mode the config ends with, the attention block size(s),
-``mamba_block_size``, the unified page and the GDN state it pads, bytes per
-token of the attention layers, padding, blocks and KV tokens at the fixed
-budget, and the KV tokens of the same configuration with prefix caching off.
+planner, the engine's own ``get_kv_cache_configs``), its request naming
+prefix caching and the Mamba cache mode (``enable_prefix_caching``,
+``mamba_cache_mode``). Ngram speculation, which a request cannot name, is
+added to the planner's engine arguments from outside for the ngram cells.
+Per cell: accepted or the first line of the refusal, the Mamba cache mode
+the config ends with, the attention block size(s), ``mamba_block_size``,
+the unified page and the GDN state it pads, bytes per token of the
+attention layers, padding, blocks and KV tokens at the fixed budget, and the
+KV tokens of the same configuration with prefix caching off.
+
+For each tiny model the run also checks the command line (``probe_cli``):
+``vllm kv-capacity --enable-prefix-caching --mamba-cache-mode align`` (no
+mode on the dense control) plans the KV tokens the Python API plans for the
+same request; the exit status is 1 where it does not.
 
     python -m tests.models.tiny_hybrids.prefix_cache_plan [--markdown FILE]
         [--json FILE] [--only SUBSTR] [--tiny-only] [--with-cold] [--no-probe]
@@ -123,40 +126,52 @@ def budget(model: str) -> tuple[int, int]:
     return FULL_SIZE_KV_BYTES, min(FULL_SIZE_MAX_MODEL_LEN, longest)
 
 
-@contextlib.contextmanager
-def _engine_args_for(cell: pcm.Cell, captured: list[Any]):
-    """The planner's EngineArgs with this cell's prefix caching, Mamba cache
-    mode and ngram speculation; its engine config captured."""
+def cell_request(cell: pcm.Cell, model_dir: str) -> Any:
+    """The planner's request for ``cell`` (ngram speculation aside)."""
     from vllm.v1.core import kv_cache_capacity as kcc
 
-    saved_cls, saved_config = kcc._planning_engine_args_cls, kcc.engine_config
-    extra: dict[str, Any] = {"enable_prefix_caching": cell.prefix_caching}
-    if cell.mode in pcm.MODES:
-        extra["mamba_cache_mode"] = cell.mode
-    if cell.spec == "ngram":
-        extra["speculative_config"] = dict(pcm.SPECS["ngram"])
+    kv_bytes, max_model_len = budget(cell.model)
+    return kcc.CapacityRequest(
+        model=model_dir,
+        max_model_len=max_model_len,
+        kv_cache_dtype=cell.kv,
+        num_speculative_tokens=(
+            pcm.SPECS["mtp"]["num_speculative_tokens"] if cell.spec == "mtp" else 0
+        ),
+        language_model_only=MODELS[cell.model].language_model_only,
+        kv_cache_memory_bytes=kv_bytes,
+        max_num_batched_tokens=pcm.MAX_NUM_BATCHED_TOKENS,
+        usage_context="llm",
+        enable_prefix_caching=cell.prefix_caching,
+        mamba_cache_mode=cell.mode if cell.mode in pcm.MODES else None,
+    )
+
+
+@contextlib.contextmanager
+def _ngram_engine_args(cell: pcm.Cell):
+    """The planner's EngineArgs with ngram speculation for an ngram cell."""
+    from vllm.v1.core import kv_cache_capacity as kcc
+
+    if cell.spec != "ngram":
+        yield
+        return
+    saved_cls = kcc._planning_engine_args_cls
+    speculative = dict(pcm.SPECS["ngram"])
 
     def engine_args_cls(target: Any) -> type:
         base = saved_cls(target)
 
-        class PrefixCachingEngineArgs(base):  # type: ignore[misc, valid-type]
+        class NgramEngineArgs(base):  # type: ignore[misc, valid-type]
             def __init__(self, **kwargs: Any) -> None:
-                super().__init__(**{**kwargs, **extra})
+                super().__init__(**{**kwargs, "speculative_config": speculative})
 
-        return PrefixCachingEngineArgs
-
-    def engine_config(req: Any, capability: Any = None) -> Any:
-        config = saved_config(req, capability)
-        captured.append(config)
-        return config
+        return NgramEngineArgs
 
     kcc._planning_engine_args_cls = engine_args_cls
-    kcc.engine_config = engine_config
     try:
         yield
     finally:
         kcc._planning_engine_args_cls = saved_cls
-        kcc.engine_config = saved_config
 
 
 def _first_line(text: Any) -> str:
@@ -171,8 +186,8 @@ def _first_line(text: Any) -> str:
     return first[:200]
 
 
-def report_facts(report: Any, config: Any | None) -> dict[str, Any]:
-    """The row fields of one planner report (and the engine config it planned)."""
+def report_facts(report: Any) -> dict[str, Any]:
+    """The row fields of one planner report."""
     row: dict[str, Any] = {
         "error": None,
         "block_size": report.block_size,
@@ -196,11 +211,9 @@ def report_facts(report: Any, config: Any | None) -> dict[str, Any]:
     row["attention_block_sizes"] = sorted(attn_blocks)
     row["attention_bytes_per_token"] = sorted(per_token)
     row["mamba_state_bytes"] = mamba_state
-    if config is not None:
-        cc = config.cache_config
-        row["mode_effective"] = cc.mamba_cache_mode
-        row["mamba_block_size"] = cc.mamba_block_size
-        row["enable_prefix_caching"] = cc.enable_prefix_caching
+    row["mode_effective"] = report.mamba_cache_mode
+    row["mamba_block_size"] = report.mamba_block_size
+    row["enable_prefix_caching"] = report.enable_prefix_caching
     return row
 
 
@@ -208,82 +221,119 @@ def plan_cell(cell: pcm.Cell, model_dir: str) -> dict[str, Any]:
     """The planner's answer for ``cell`` (accepted or the refusal's first line)."""
     from vllm.v1.core import kv_cache_capacity as kcc
 
-    m = MODELS[cell.model]
-    kv_bytes, max_model_len = budget(cell.model)
-    req = kcc.CapacityRequest(
-        model=model_dir,
-        max_model_len=max_model_len,
-        kv_cache_dtype=cell.kv,
-        num_speculative_tokens=(
-            pcm.SPECS["mtp"]["num_speculative_tokens"] if cell.spec == "mtp" else 0
-        ),
-        language_model_only=m.language_model_only,
-        kv_cache_memory_bytes=kv_bytes,
-        max_num_batched_tokens=pcm.MAX_NUM_BATCHED_TOKENS,
-        usage_context="llm",
-    )
+    req = cell_request(cell, model_dir)
     row: dict[str, Any] = {**dataclasses.asdict(cell), "name": cell.name}
-    row.update(kv_cache_memory_bytes=kv_bytes, max_model_len=max_model_len)
-    captured: list[Any] = []
+    row.update(
+        kv_cache_memory_bytes=req.kv_cache_memory_bytes,
+        max_model_len=req.max_model_len,
+    )
     try:
-        with _engine_args_for(cell, captured):
+        with _ngram_engine_args(cell):
             report = kcc.plan_capacity(req)
     except Exception as e:  # the planner's input errors and refusals alike
         row["error"] = f"{type(e).__name__}: {_first_line(e)}"
         return row
     if report.error:
         row["error"] = _first_line(report.error)
-        if captured:
-            row["mode_effective"] = captured[-1].cache_config.mamba_cache_mode
+        # None where the engine refused the configuration itself.
+        if report.mamba_cache_mode is not None:
+            row["mode_effective"] = report.mamba_cache_mode
         return row
-    row.update(report_facts(report, captured[-1] if captured else None))
+    row.update(report_facts(report))
     if cell.prefix_caching:
         predicted = pcm.cell_predictions(
-            cell, row["hit_block"], pcm.build_phases(), m.hybrid
+            cell, row["hit_block"], pcm.build_phases(), MODELS[cell.model].hybrid
         )
         row["predicted_cached"] = {g: pcm._mean(v) for g, v in predicted.items()}
     return row
 
 
-def probe_cli(model_dir: str) -> dict[str, Any]:
-    """Whether ``vllm kv-capacity`` takes ``--enable-prefix-caching``: its
-    JSON report, or the error it stops with."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "kv-capacity",
-        model_dir,
-        "--max-model-len",
-        str(pcm.MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes",
-        str(pcm.KV_CACHE_MEMORY_BYTES),
-        "--enable-prefix-caching",
-        "--json",
-    ]
+def probe_cell(model: str) -> pcm.Cell:
+    """The configuration ``probe_cli`` plans: no speculation, bf16 KV, ``align``
+    on the hybrids (the dense control takes no Mamba cache mode)."""
+    mode = pcm.MODES[0] if MODELS[model].hybrid else pcm.DENSE_MODE
+    return pcm.Cell(model, "auto", "none", mode)
+
+
+def cli_argv(req: Any) -> list[str]:
+    """``vllm kv-capacity`` arguments for a ``cell_request`` request."""
+    argv = [
+        req.model,
+        "--max-model-len", str(req.max_model_len),
+        "--kv-cache-dtype", req.kv_cache_dtype,
+        "--kv-cache-memory-bytes", str(req.kv_cache_memory_bytes),
+        "--max-num-batched-tokens", str(req.max_num_batched_tokens),
+        "--usage-context", req.usage_context,
+    ]  # fmt: skip
+    if req.num_speculative_tokens:
+        argv += ["--num-speculative-tokens", str(req.num_speculative_tokens)]
+    if req.language_model_only:
+        argv.append("--language-model-only")
+    if req.enable_prefix_caching is not None:
+        flag = "enable" if req.enable_prefix_caching else "no-enable"
+        argv.append(f"--{flag}-prefix-caching")
+    if req.mamba_cache_mode is not None:
+        argv += ["--mamba-cache-mode", req.mamba_cache_mode]
+    return argv
+
+
+def probe_cli(model: str, model_dir: str) -> dict[str, Any]:
+    """``vllm kv-capacity`` with prefix caching on (``probe_cell``) against the
+    Python API on the same request: both plans' KV tokens, and whether the
+    command planned them equal."""
+    from vllm.v1.core import kv_cache_capacity as kcc
+
+    req = cell_request(probe_cell(model), model_dir)
+    try:
+        api = kcc.plan_capacity(req)
+        api_kv_tokens, api_error = api.kv_tokens, api.error
+    except kcc.CapacityInputError as e:
+        api_kv_tokens, api_error = None, str(e)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-capacity"]
+    cmd += [*cli_argv(req), "--json"]
     # As after a plain install: the command picks its own planning platform.
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDKV_TEST_PLATFORM"}
     env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    shown = ["vllm", *cmd[3:]]
+    probe: dict[str, Any] = {
+        "cmd": ["vllm", *cmd[3:]],
+        "exit_status": proc.returncode,
+        "api_kv_tokens": api_kv_tokens,
+        "api_error": api_error,
+    }
     try:
         doc = json.loads(proc.stdout)
     except json.JSONDecodeError:
         errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-        return {
-            "cmd": shown,
-            "exit_status": proc.returncode,
-            "accepted": False,
-            "error": (errors or proc.stderr.splitlines() or ["(no output)"])[-1],
-        }
-    return {
-        "cmd": shown,
-        "exit_status": proc.returncode,
-        "accepted": proc.returncode == 0,
-        "error": doc.get("error"),
-        "block_size": doc.get("block_size"),
-        "kv_tokens": doc.get("kv_tokens"),
-    }
+        doc = {"error": (errors or proc.stderr.splitlines() or ["(no output)"])[-1]}
+    probe.update(
+        error=doc.get("error"),
+        block_size=doc.get("block_size"),
+        mamba_cache_mode=doc.get("mamba_cache_mode"),
+        kv_tokens=doc.get("kv_tokens"),
+    )
+    probe["agrees"] = (
+        proc.returncode == 0
+        and api_error is None
+        and probe["kv_tokens"] is not None
+        and probe["kv_tokens"] == api_kv_tokens
+    )
+    return probe
+
+
+def probe_summary(name: str, probe: dict[str, Any]) -> str:
+    cmd = probe["cmd"]
+    flags = " ".join(cmd[cmd.index("--enable-prefix-caching") : -1])
+    if probe["agrees"]:
+        verdict = f"{probe['kv_tokens']:,} KV tokens, as the Python API plans"
+    elif probe["error"] or probe["exit_status"]:
+        verdict = f"exit status {probe['exit_status']}: {probe['error']}"
+    else:
+        verdict = (
+            f"{_num(probe['kv_tokens'])} KV tokens, the Python API "
+            f"{_num(probe['api_kv_tokens'])} ({probe['api_error'] or 'planned'})"
+        )
+    return f"vllm kv-capacity {flags} ({name}): {verdict}"
 
 
 def _kv(kv: str) -> str:
@@ -400,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.probe:
             for name in sorted({c.model for c in cells}):
                 if MODELS[name].full_size is None:
-                    probes[name] = probe_cli(dirs[name])
+                    probes[name] = probe_cli(name, dirs[name])
     doc = {"rows": rows, "cli_probe": probes}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
@@ -409,9 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(table)
     print(table)
     for name, probe in probes.items():
-        status = "accepted" if probe["accepted"] else f"refused: {probe['error']}"
-        print(f"kv-capacity --enable-prefix-caching ({name}): {status}")
-    return 0
+        print(probe_summary(name, probe))
+    return 0 if all(p["agrees"] for p in probes.values()) else 1
 
 
 if __name__ == "__main__":

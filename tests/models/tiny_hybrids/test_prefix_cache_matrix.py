@@ -398,10 +398,57 @@ def test_tables_render_every_row():
     assert "no / way" in md  # a pipe in a cell cannot break the table
 
 
+def test_preemption_budgets_come_from_the_plans_concurrency():
+    hybrid = pcm.Cell("qwen3_next", "auto", "none", "align")
+    dense = pcm.Cell("qwen3_dense", "auto", "none", pcm.DENSE_MODE)
+    plans = {
+        hybrid.name: {"max_concurrency": 10.0},
+        dense.name: {"max_concurrency": None},  # a plan that did not say
+        hybrid.cold().name: {"max_concurrency": 12.0},
+    }
+    budgets = pcm.preempt_budgets([hybrid, dense, hybrid.cold()], plans)
+    assert budgets == {
+        hybrid.name: int(pcm.KV_CACHE_MEMORY_BYTES * pcm.PREEMPT_REQUESTS / 10.0)
+    }
+    kwargs = pcm.engine_kwargs(hybrid, CKPTS, kv_bytes=budgets[hybrid.name])
+    assert kwargs["kv_cache_memory_bytes"] == budgets[hybrid.name]
+    args = SimpleNamespace(
+        cg="NONE", prefix_lens=[64], hits=2, warm_suffix=8, new_tokens=8,
+        kv_budgets=budgets,
+    )  # fmt: skip
+    engine = pcm.child_args(hybrid, CKPTS, args)["engine"]
+    assert engine["kv_cache_memory_bytes"] == budgets[hybrid.name]
+    cold = pcm.child_args(hybrid.cold(), CKPTS, args)["engine"]
+    assert cold["kv_cache_memory_bytes"] == pcm.KV_CACHE_MEMORY_BYTES
+
+
+def test_preemptions_are_counted_and_shown():
+    metrics = [
+        SimpleNamespace(name="vllm:num_preemptions", value=3.0),
+        SimpleNamespace(name="vllm:num_preemptions_total", value=2.0),
+        SimpleNamespace(name="vllm:num_requests_running", value=5.0),
+    ]
+    assert pcm.preemptions(metrics) == 5
+    cell = pcm.Cell("qwen3_next", "auto", "none", "align")
+    budgets = {cell.name: 1 << 20}
+    plans = {cell.name: {"block_size": 16, "kv_tokens": 1000, "error": None}}
+    row = pcm.cell_row(
+        cell, _records(cell, {**_rec(), "preemptions": 4}), PHASES, plans, budgets
+    )
+    assert row["verdict"] == "exact" and row["preemptions"] == 4
+    assert "plan" not in row  # planned at the matrix's budget, not this one
+    assert "| 4 |" in pcm.format_markdown([row])
+    row = pcm.cell_row(
+        cell, _records(cell, {**_rec(), "preemptions": 0}), PHASES, plans, budgets
+    )
+    assert row["verdict"] == "exact (no preemption)"
+
+
 def test_parse_args():
     args = pcm.parse_args(["out"])
     assert args.prefix_lens == list(pcm.PREFIX_LENS) and args.deadline == pcm.DEADLINE
-    assert args.jobs == 12 and args.plan and args.cg == "NONE"
+    assert args.jobs == 12 and args.plan and args.cg == "NONE" and not args.preempt
+    assert pcm.parse_args(["out", "--preempt"]).preempt
     assert pcm.parse_args(["out", "--deadline", "0", "--no-plan"]).deadline is None
     with pytest.raises(SystemExit):
         pcm.parse_args(["out", "--prefix-lens", "9000"])
@@ -461,8 +508,8 @@ def test_plan_markdown():
 
 
 def test_plan_drives_the_planner_with_prefix_caching(tmp_path):
-    """One real plan: the planner's engine arguments take prefix caching and
-    the Mamba cache mode, and vLLM turns 'all' into 'align' for Qwen3-Next."""
+    """One real plan: the planner's request takes prefix caching and the
+    Mamba cache mode, and vLLM turns 'all' into 'align' for Qwen3-Next."""
     dirs = plan.write_configs(tmp_path, {"qwen3_next"})
     align = plan.plan_cell(
         pcm.Cell("qwen3_next", "turboquant_4bit_nc", "none", "align"),

@@ -388,10 +388,13 @@ def test_timed_request_measures_first_token_and_decode_rate():
 def test_draft_config_is_checked_as_the_drafter_builds_it(
     tmp_path, capsys, monkeypatch
 ):
-    """A dense draft with a shorter context than a hybrid main stops the
-    drafter's config on vLLM 0.20.2 (the H200 TP=4 run's first Coder boot):
-    the CPU check must see it before a GPU does."""
+    """The check builds the draft's VllmConfig with the proposer's own code: a
+    dense draft with a shorter context than a hybrid main (which stopped the
+    drafter's config on vLLM 0.20.2, the H200 TP=4 run's first Coder boot)
+    now builds, and a draft config that does not build fails the check."""
     pytest.importorskip("vllm.v1.core.kv_cache_capacity")
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
     engines = tpm.tp4_engines
 
     def longer(models, tp=4):
@@ -400,10 +403,15 @@ def test_draft_config_is_checked_as_the_drafter_builds_it(
         return out
 
     monkeypatch.setattr(tpm, "tp4_engines", longer)
-    rc = tpm.main([str(tmp_path), "--check-configs", "--tp", "4", "--only", "coder"])
-    out = capsys.readouterr().out
-    assert rc == 1
-    assert "--mamba-block-size can only be set with --enable-prefix-caching" in out
+    argv = [str(tmp_path), "--check-configs", "--tp", "4", "--only", "coder"]
+    assert tpm.main(argv) == 0, capsys.readouterr().out
+
+    def refused(self):
+        raise ValueError("the draft's config does not build")
+
+    monkeypatch.setattr(DraftModelProposer, "_create_draft_vllm_config", refused)
+    assert tpm.main(argv) == 1
+    assert "the draft's config does not build" in capsys.readouterr().out
 
 
 def test_gemma4_takes_token_prompts_without_a_tokenizer(tmp_path):

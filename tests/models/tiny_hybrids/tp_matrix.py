@@ -184,11 +184,7 @@ def tp4_engines(models: dict[str, str], tp: int = 4) -> list[Engine]:
         load_format="dummy",
         skip_tokenizer_init=True,
         kv_cache_dtype=TQ,
-        # The draft's own limit (40960): a longer main context stops the
-        # drafter's config at "--mamba-block-size can only be set with
-        # --enable-prefix-caching" (vLLM 0.20.2 sets the hybrid main's
-        # mamba_block_size to its max_model_len and re-validates it against
-        # the draft's).
+        # The draft's own limit: the longest context both models serve.
         max_model_len=40960,
         tensor_parallel_size=tp,
         kv_cache_memory_bytes=8 * GIB,
@@ -772,21 +768,19 @@ def run_matrix(args: argparse.Namespace) -> int:
 
 
 def draft_config_builds(vllm_config) -> None:
-    """Build the draft model's VllmConfig as vLLM 0.20.2's draft-model proposer
-    does when it loads (v1/spec_decode/draft_model.py, _create_draft_vllm_config):
-    the main config with the draft's model and parallel configs. Its validators
-    run again there, on the worker, after the engine config was accepted."""
-    from vllm.config.utils import replace
+    """Build the draft model's VllmConfig as the draft-model proposer does when
+    it loads (``DraftModelProposer._create_draft_vllm_config``): its
+    validators run again there, on every worker, after the engine config was
+    accepted."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "draft_model":
         return
-    replace(
-        vllm_config,
-        quant_config=None,
-        parallel_config=spec.draft_parallel_config,
-        model_config=spec.draft_model_config,
-    )
+    proposer = object.__new__(DraftModelProposer)
+    proposer.vllm_config = vllm_config
+    proposer.speculative_config = spec
+    proposer._create_draft_vllm_config()
 
 
 def check_configs(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ has none, and then applies 0.20.2's own rules.
 import importlib
 import importlib.util
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -190,26 +191,26 @@ def test_attention_backend_per_layer_kind_on_cuda(models):
     [
         (
             {"tensor_parallel_size": 0},
-            "--tensor-parallel-size 0: must be greater than 0",
+            "tensor_parallel_size=0: must be greater than 0",
         ),
         (
             {"gpu_memory_utilization": 1.5},
-            "--gpu-memory-utilization 1.5: must be in (0, 1]",
+            "gpu_memory_utilization=1.5: must be in (0, 1]",
         ),
         (
             {"gpu_memory_utilization": 0.0},
-            "--gpu-memory-utilization 0.0: must be in (0, 1]",
+            "gpu_memory_utilization=0.0: must be in (0, 1]",
         ),
-        ({"weights_gib": -50}, "--weights-gib -50: must be greater than 0"),
-        ({"gpu_memory_gib": 0}, "--gpu-memory-gib 0: must be greater than 0"),
-        ({"overhead_gib": -1}, "--overhead-gib -1: must be 0 or more"),
+        ({"weights_gib": -50}, "weights_gib=-50: must be greater than 0"),
+        ({"gpu_memory_gib": 0}, "gpu_memory_gib=0: must be greater than 0"),
+        ({"overhead_gib": -1}, "overhead_gib=-1: must be 0 or more"),
         ({"weights_gib": 100}, "nothing left for the KV cache"),
-        ({"max_model_len": 0}, "--max-model-len 0: must be greater than 0"),
-        ({"num_speculative_tokens": -1}, "--num-speculative-tokens -1"),
-        ({"device_capability": "ninety"}, "--device-capability ninety: expected"),
+        ({"max_model_len": 0}, "max_model_len=0: must be greater than 0"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens=-1"),
+        ({"device_capability": "ninety"}, "device_capability='ninety': expected"),
         (
             {"kv_cache_memory_bytes": 0},
-            "--kv-cache-memory-bytes 0: must be greater than 0",
+            "kv_cache_memory_bytes=0: must be greater than 0",
         ),
         ({"gpu_memory_gib": None}, "no memory to plan with"),
     ],
@@ -219,13 +220,35 @@ def test_bad_inputs_are_named(models, kw, expected):
     with pytest.raises(capacity.CapacityInputError) as e:
         plan(models["Qwen3.6-27B"], **request)
     assert expected in str(e.value)
+    # The Python API names request fields, never a command-line option.
+    assert "--" not in str(e.value)
+    if e.value.field is not None:
+        assert e.value.field in {f.name for f in fields(capacity.CapacityRequest)}
+        assert str(e.value).startswith(f"{e.value.field}={e.value.value!r}: ")
+
+
+def test_python_api_error_names_the_field_not_the_option(models):
+    with pytest.raises(capacity.CapacityInputError) as e:
+        plan(models["Qwen3-4B"], max_model_len=0, kv_cache_memory_bytes=GIB)
+    assert (e.value.field, e.value.value) == ("max_model_len", 0)
+    assert e.value.body == "must be greater than 0. Give the context length to plan."
+    assert str(e.value) == f"max_model_len=0: {e.value.body}"
+    assert "--max-model-len" not in str(e.value)
+    # Other fields the fix names are in backquotes, as request fields.
+    with pytest.raises(capacity.CapacityInputError) as e:
+        plan(models["Qwen3-4B"], max_model_len=4096)
+    assert e.value.field is None
+    assert "give `kv_cache_memory_bytes` (the KV-cache memory per GPU)" in str(e.value)
+    assert "--" not in str(e.value)
 
 
 def test_missing_model_directory_is_named(tmp_path):
-    with pytest.raises(capacity.CapacityInputError, match="no such directory"):
+    with pytest.raises(capacity.CapacityInputError, match="no such directory") as e:
         plan(str(tmp_path / "nope"), kv_cache_memory_bytes=GIB)
-    with pytest.raises(capacity.CapacityInputError, match="has no config.json"):
+    assert (e.value.field, e.value.value) == ("model", str(tmp_path / "nope"))
+    with pytest.raises(capacity.CapacityInputError, match="has no config.json") as e:
         plan(str(tmp_path), kv_cache_memory_bytes=GIB)
+    assert str(e.value).startswith(f"model={str(tmp_path)!r}: ")
 
 
 def test_tensor_parallel_must_shard_kv_heads(tmp_path, models):
@@ -236,6 +259,7 @@ def test_tensor_parallel_must_shard_kv_heads(tmp_path, models):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(capacity.CapacityInputError) as e:
         plan(str(tmp_path), tensor_parallel_size=3, kv_cache_memory_bytes=GIB)
+    assert (e.value.field, e.value.value) == ("tensor_parallel_size", 3)
     assert "num_key_value_heads=4" in str(e.value)
     assert "Sizes that shard evenly: 1, 2, 4" in str(e.value)
     assert plan(
@@ -250,13 +274,14 @@ def test_tensor_parallel_must_shard_gdn_dims(models):
 
 
 def test_skip_layer_index_past_the_last_layer(models):
-    with pytest.raises(capacity.CapacityInputError, match="has 64 layers"):
+    with pytest.raises(capacity.CapacityInputError, match="has 64 layers") as e:
         plan(
             models["Qwen3.6-27B"],
             kv_cache_dtype="turboquant_4bit_nc",
             kv_cache_dtype_skip_layers=["99"],
             **QWEN36,
         )
+    assert (e.value.field, e.value.value) == ("kv_cache_dtype_skip_layers", "99")
 
 
 def test_engine_refusal_keeps_the_whole_cause(models):

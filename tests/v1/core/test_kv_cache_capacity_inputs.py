@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,8 @@ def test_impossible_geometry_is_refused_by_name(
     message = str(e.value)
     print(message)
     assert expected in message
-    assert message.startswith(f"MODEL_DIR {model}: ")
+    assert (e.value.field, e.value.value) == ("model", model)
+    assert message.startswith(f"model={model!r}: ")
     assert "config.json" in message
 
 
@@ -141,7 +143,7 @@ def test_impossible_draft_geometry_is_refused_by_name(models, tmp_path):
             num_speculative_tokens=3,
             kv_cache_memory_bytes=8 * GIB,
         )
-    assert str(e.value).startswith(f"--draft {draft}: ")
+    assert str(e.value).startswith(f"draft={draft!r}: ")
     assert "head_dim=0" in str(e.value)
 
 
@@ -229,7 +231,7 @@ def test_pristine_reproduces_0_20_2_or_refuses(models):
     with pytest.raises(capacity.CapacityInputError) as e:
         plan(models["Qwen3.6-27B"], **request)
     message = str(e.value)
-    assert message.startswith("--pristine: ")
+    assert message.startswith("pristine=True: ")
     assert "vllm.v1.core.kv_cache_page_unify" in message
     assert "0.20.2" in message
 
@@ -332,32 +334,32 @@ def test_page_bytes_are_per_layer_for_every_spec_type(models):
         (
             "Qwen3.6-27B",
             {"kv_cache_dtype_skip_layers": ["0"]},
-            "--kv-cache-dtype-skip-layers 0: layer 0 is a linear-attention",
+            "kv_cache_dtype_skip_layers='0': layer 0 is a linear-attention",
         ),
         (
             "Qwen3.6-27B",
             {"kv_cache_dtype_skip_layers": ["3", "62"]},
-            "--kv-cache-dtype-skip-layers 62: layer 62 is a linear-attention",
+            "kv_cache_dtype_skip_layers='62': layer 62 is a linear-attention",
         ),
         (
             "Qwen3.6-27B",
             {"kv_cache_dtype_skip_layers": ["boundary:17"]},
-            "boundary:17: the model has 16 attention layers",
+            "'boundary:17': the model has 16 attention layers",
         ),
         (
             "Qwen3.6-27B",
             {"kv_cache_dtype_skip_layers": ["boundary:8"]},
-            "--kv-cache-dtype turboquant_4bit_nc: no attention layer is left",
+            "kv_cache_dtype='turboquant_4bit_nc': no attention layer is left",
         ),
         (
             "Qwen3-4B",
             {"kv_cache_dtype_skip_layers": ["sliding_window"]},
-            "sliding_window: the model has no sliding-window layers",
+            "'sliding_window': the model has no sliding-window layers",
         ),
         (
             "Qwen3-4B",
             {"kv_cache_dtype_skip_layers": ["draft"]},
-            "draft: there is no drafter",
+            "'draft': there is no drafter",
         ),
         (
             "Qwen3-4B",
@@ -367,14 +369,14 @@ def test_page_bytes_are_per_layer_for_every_spec_type(models):
         (
             "Qwen3-4B",
             {"kv_cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["boundary:1"]},
-            "boundary:1: boundary protection is TurboQuant's",
+            "'boundary:1': boundary protection is TurboQuant's",
         ),
-        ("Qwen3-4B", {"device_capability": "99.9"}, "--device-capability 99.9: "),
-        ("Qwen3-4B", {"device_capability": "13.0"}, "--device-capability 13.0: "),
+        ("Qwen3-4B", {"device_capability": "99.9"}, "device_capability='99.9': "),
+        ("Qwen3-4B", {"device_capability": "13.0"}, "device_capability='13.0': "),
         (
             "Qwen3-4B",
             {"mamba_ssm_cache_dtype": "float32"},
-            "--mamba-ssm-cache-dtype float32: the model has no GDN/Mamba layers",
+            "mamba_ssm_cache_dtype='float32': the model has no GDN/Mamba layers",
         ),
     ],
 )
@@ -391,6 +393,8 @@ def test_options_without_effect_are_refused(models, name, kw, expected):
         plan(models[name], **request)
     print(e.value)
     assert expected in str(e.value)
+    assert "--" not in str(e.value)
+    assert e.value.field in {f.name for f in fields(capacity.CapacityRequest)}
 
 
 def test_options_replaced_by_kv_cache_memory_bytes_warn(models):
@@ -401,9 +405,12 @@ def test_options_replaced_by_kv_cache_memory_bytes_warn(models):
         overhead_gib=2,
     )
     assert report.error is None
-    assert any("--weights-gib" in w for w in report.warnings)
-    assert any("--overhead-gib" in w for w in report.warnings)
-    assert "--weights-gib" in capacity.format_report(report)
+    # Request fields in backquotes, as the command line maps them to options.
+    first = report.warnings[0]
+    assert first.startswith("`weights_gib` 8: no effect, `kv_cache_memory_bytes` ")
+    assert any(w.startswith("`overhead_gib` 2: ") for w in report.warnings)
+    assert "`weights_gib` 8" in capacity.format_report(report)
+    assert not any("--" in w for w in report.warnings)
 
 
 # --- Mamba/GDN cache dtypes ----------------------------------------------------------
@@ -462,5 +469,5 @@ def test_mamba_cache_dtype_outside_vllms_choices_is_named(models):
             kv_cache_memory_bytes=8 * GIB,
             mamba_ssm_cache_dtype="float64",
         )
-    assert "--mamba-ssm-cache-dtype float64: " in str(e.value)
+    assert "mamba_ssm_cache_dtype='float64': " in str(e.value)
     assert "'auto', 'float32', 'float16'" in str(e.value)

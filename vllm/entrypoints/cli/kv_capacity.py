@@ -13,17 +13,27 @@ engine would refuse the configuration, 2 bad input (a command-line value, or
 a config.json value no model the engine builds has), 3 a model file that
 cannot be read, 4 a bug of the planner. With ``--json``, stdout is exactly one
 JSON document whatever the outcome, and carries ``exit_status``.
+
+The planner names ``CapacityRequest`` fields (``CapacityInputError.field``,
+and `field` in backquotes in its texts); this command names each by its
+option, as :func:`add_arguments` defines it (``request_options``).
 """
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
+import re
 import sys
 import traceback
 from dataclasses import asdict, fields
+from typing import TYPE_CHECKING
 
 from vllm.entrypoints.cli.types import CLISubcommand
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_capacity import CapacityInputError
 
 PLANNED = 0
 ENGINE_REFUSES = 1
@@ -37,6 +47,12 @@ DESCRIPTION = (
     "engine would at start-up on a CUDA GPU. Runs on any host, without a GPU."
 )
 USAGE = "vllm kv-capacity MODEL_DIR --max-model-len N [options]"
+# A request field as the planner's texts name it; ``x`` is a reST literal.
+FIELD_IN_TEXT = re.compile(r"(?<!`)`([a-z][a-z0-9_]*)`(?!`)")
+# vLLM's MambaCacheMode (vllm/config/cache.py), written out: importing it
+# would load the engine's configs, which --help must not. A test holds the
+# two equal, and the planner checks a mode against vLLM's own.
+MAMBA_CACHE_MODES = ("all", "align", "none")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -153,6 +169,23 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "state dtype (auto: the model's or --mamba-cache-dtype)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="as `vllm serve --enable-prefix-caching`: plan with prefix caching "
+        "on (or off); default: the engine's for the model, on for "
+        "attention-only models and off for GDN/Mamba hybrids",
+    )
+    p.add_argument(
+        "--mamba-cache-mode",
+        choices=MAMBA_CACHE_MODES,
+        default=None,
+        help="as `vllm serve --mamba-cache-mode`, with --enable-prefix-caching "
+        "only: which GDN/Mamba states prefix caching keeps (all: the state at "
+        "every block boundary; align: where a scheduler step ends on one). "
+        "Default: vLLM's choice; the report names the mode the engine ends with",
+    )
+    p.add_argument(
         "--pristine",
         action="store_true",
         help="plan with upstream 0.20.2's rules: only against an unpatched "
@@ -173,6 +206,61 @@ def request_from_args(args: argparse.Namespace):
     values = {f.name: getattr(args, f.name) for f in fields(CapacityRequest)}
     values["kv_cache_dtype_skip_layers"] = tuple(args.kv_cache_dtype_skip_layers)
     return CapacityRequest(**values)
+
+
+@functools.cache
+def request_options() -> dict[str, tuple[str, bool]]:
+    """Each argument's ``dest`` (the ``CapacityRequest`` field it fills) ->
+    (its name on the command line, whether a value follows it)."""
+    options = {}
+    for action in add_arguments(argparse.ArgumentParser(add_help=False))._actions:
+        if action.option_strings:
+            name = next(o for o in action.option_strings if o.startswith("--"))
+        else:
+            name = action.metavar or action.dest
+        options[action.dest] = (name, action.nargs != 0)
+    return options
+
+
+def cli_text(text: str) -> str:
+    """A planner text with each request field named by its option."""
+    options = request_options()
+    return FIELD_IN_TEXT.sub(
+        lambda m: options[m[1]][0] if m[1] in options else m[0], text
+    )
+
+
+def cli_message(error: "CapacityInputError") -> str:
+    """A ``CapacityInputError`` as the command line words it: ``--option
+    value: body``."""
+    body = cli_text(error.body)
+    if error.field is None:
+        return body
+    name, takes_value = request_options()[error.field]
+    if not takes_value:
+        return f"{name}: {body}"
+    value = error.value
+    if isinstance(value, (list, tuple)):
+        value = " ".join(map(str, value))
+    return f"{name} {value}: {body}"
+
+
+class _OptionNames(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = cli_text(record.getMessage()), None
+        return True
+
+
+@contextlib.contextmanager
+def _options_in_logs(logger: logging.Logger):
+    """The planner logs its warnings too: there they name options, as in the
+    report, for this command only."""
+    names = _OptionNames()
+    logger.addFilter(names)
+    try:
+        yield
+    finally:
+        logger.removeFilter(names)
 
 
 def _logs_to_stderr() -> None:
@@ -204,10 +292,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # stdout carries the report alone: whatever else prints goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), _options_in_logs(capacity.logger):
             report = capacity.plan_capacity(request_from_args(args))
     except capacity.CapacityInputError as e:
-        return _fail(args, str(e), e.exit_status, e.kind)
+        return _fail(args, cli_message(e), e.exit_status, e.kind)
     except OSError as e:
         # A file the engine reads besides config.json.
         return _fail(
@@ -227,6 +315,10 @@ def run(args: argparse.Namespace) -> int:
             PLANNER_BUG,
             "planner_bug",
         )
+    report.warnings = [cli_text(w) for w in report.warnings]
+    report.max_num_batched_tokens_source = cli_text(
+        report.max_num_batched_tokens_source
+    )
     status = ENGINE_REFUSES if report.fails else PLANNED
     if args.json:
         document = asdict(report)

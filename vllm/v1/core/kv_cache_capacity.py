@@ -19,9 +19,12 @@ selection answers for the requested compute capability.
 
 Inputs the engine would refuse later (at model load, or never: a value that
 describes no GPU, a geometry no model has, an option that would change
-nothing) raise :class:`CapacityInputError` naming the value, the rule and the
-fix; a model file that exists but cannot be read raises
-:class:`CapacityReadError`. A configuration the engine refuses during planning
+nothing) raise :class:`CapacityInputError` naming the ``CapacityRequest``
+field and its value, the rule and the fix; a model file that exists but
+cannot be read raises :class:`CapacityReadError`. Errors, warnings and the
+report's texts name request fields (in running text in backquotes,
+`kv_cache_memory_bytes`), never command-line options; ``vllm kv-capacity``
+puts its options in their place. A configuration the engine refuses during planning
 is a report with ``error`` set; any other exception is a bug of the planner
 and propagates.
 
@@ -91,10 +94,22 @@ SERIES_PLANNING_MODULES = (
 
 class CapacityInputError(ValueError):
     """A planner input that the engine would refuse, or that describes no GPU
-    or no model. ``vllm kv-capacity`` exits with ``exit_status``."""
+    or no model. ``vllm kv-capacity`` exits with ``exit_status``.
+
+    ``field`` is the ``CapacityRequest`` field at fault (None where no single
+    field is) and ``value`` its value, or the entry at fault of a sequence;
+    ``body`` says what is wrong, the rule and the fix, naming other fields in
+    backquotes. ``str()`` is ``field=value: body``.
+    """
 
     exit_status = 2
     kind = "input"
+
+    def __init__(self, body: str, field: str | None = None, value: Any = None):
+        self.body = body
+        self.field = field
+        self.value = value
+        super().__init__(body if field is None else f"{field}={value!r}: {body}")
 
 
 class CapacityReadError(CapacityInputError):
@@ -137,6 +152,13 @@ class CapacityRequest:
     """Whose defaults: "serve" (`vllm serve`) or "llm" (the LLM class)."""
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
+    enable_prefix_caching: bool | None = None
+    """None: the engine's default for the model (vLLM 0.20.2: on for
+    attention-only models, off for GDN/Mamba hybrids)."""
+    mamba_cache_mode: str | None = None
+    """Which GDN/Mamba states prefix caching keeps (vLLM's ``MambaCacheMode``):
+    "all" (the state at every block boundary) or "align" (where a scheduler
+    step ends on one); only with prefix caching on. None: vLLM's choice."""
 
 
 @dataclass
@@ -164,7 +186,19 @@ class CapacityReport:
     """What the engine schedules per step (sliding-window layers hold
     window - 1 + this many tokens per request)."""
     max_num_batched_tokens_source: str = ""
+    """Where it comes from: the request field in backquotes, or whose default."""
     block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    """Prefix caching in the engine config: as asked, or the engine's
+    default for the model."""
+    prefix_caching_source: str = ""
+    mamba_cache_mode: str | None = None
+    """The Mamba cache mode the engine config ends with, after vLLM's own
+    fallbacks (e.g. "all" -> "align"); "none" without prefix caching."""
+    mamba_block_size: int | None = None
+    """Tokens per GDN/Mamba state block: the attention block size with prefix
+    caching on, max_model_len without; None for a model without GDN/Mamba
+    layers."""
     groups: list[dict[str, Any]] = field(default_factory=list)
     """One entry per KV-cache group: its spec type, layers, empty layer slots
     (``padding_layers``) and ``layer_pages``, one row per kind of layer in it,
@@ -199,7 +233,8 @@ class CapacityReport:
     (upstream 0.33's unification), for comparison; None where the engine
     does not unify pages (one group of one spec type)."""
     warnings: list[str] = field(default_factory=list)
-    """Inputs that are taken but change nothing in the plan."""
+    """Inputs that are taken but change nothing in the plan; request fields
+    in backquotes (`weights_gib`)."""
 
     @property
     def fails(self) -> bool:
@@ -289,16 +324,18 @@ def _all_count_problems(get: Any) -> list[str]:
     return problems
 
 
-def _geometry_error(label: str, problems: list[str]) -> CapacityInputError:
+def _geometry_error(field: str, value: str, problems: list[str]) -> CapacityInputError:
     return CapacityInputError(
-        f"{label}: its config.json describes a model the engine cannot build: "
+        "its config.json describes a model the engine cannot build: "
         + "; ".join(problems)
         + f". {_GEOMETRY_RULE} Fix the value in config.json, or fetch the "
-        "model's config.json again."
+        "model's config.json again.",
+        field,
+        value,
     )
 
 
-def _raw_geometry(label: str, parsed: dict) -> None:
+def _raw_geometry(field: str, value: str, parsed: dict) -> None:
     """Counts in config.json as written: transformers passes some bad ones
     through and fails on others with a traceback of its own."""
     problems = []
@@ -308,60 +345,69 @@ def _raw_geometry(label: str, parsed: dict) -> None:
     for section in sections:
         problems += _all_count_problems(lambda attr, s=section: [s.get(attr)])
     if problems:
-        raise _geometry_error(label, problems)
+        raise _geometry_error(field, value, problems)
 
 
-def _model_dir(flag: str, value: str) -> None:
+def _model_dir(field: str, value: str) -> None:
     try:
-        _read_model_dir(flag, value)
+        _read_model_dir(field, value)
     except OSError as e:
         # Permissions or I/O: the file is there, this user cannot read it.
         what = e.filename or f"{value}/config.json"
         raise CapacityReadError(
-            f"{flag} {value}: cannot read {what}: {e.strerror or e}. Make the "
-            "directory and its config.json readable by this user, or fetch the "
-            "model's config.json again."
+            f"cannot read {what}: {e.strerror or e}. Make the directory and its "
+            "config.json readable by this user, or fetch the model's config.json "
+            "again.",
+            field,
+            value,
         ) from e
 
 
-def _read_model_dir(flag: str, value: str) -> None:
+def _read_model_dir(field: str, value: str) -> None:
     path = Path(value)
     if not path.is_dir():
         raise CapacityInputError(
-            f"{flag} {value}: no such directory. kv-capacity reads the model's "
-            "config.json from a local directory (no download); fetch it with "
-            f"`hf download <repo id> config.json --local-dir {value}`."
+            "no such directory. kv-capacity reads the model's config.json from a "
+            "local directory (no download); fetch it with "
+            f"`hf download <repo id> config.json --local-dir {value}`.",
+            field,
+            value,
         )
     config = path / "config.json"
     if not config.is_file():
         raise CapacityInputError(
-            f"{flag} {value}: the directory has no config.json. Point it at the "
-            "model directory (the one holding config.json)."
+            "the directory has no config.json. Point it at the model directory "
+            "(the one holding config.json).",
+            field,
+            value,
         )
     # transformers' own error for it is a traceback, raised inside the planner.
     try:
         parsed = json.loads(config.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CapacityInputError(
-            f"{flag} {value}: its config.json is not valid JSON ({e}). Fetch the "
-            "model's config.json again."
+            f"its config.json is not valid JSON ({e}). Fetch the model's "
+            "config.json again.",
+            field,
+            value,
         ) from e
     if not isinstance(parsed, dict):
         raise CapacityInputError(
-            f"{flag} {value}: its config.json holds a JSON {type(parsed).__name__}, "
-            "expected an object of the model's settings. Fetch the model's "
-            "config.json again."
+            f"its config.json holds a JSON {type(parsed).__name__}, expected an "
+            "object of the model's settings. Fetch the model's config.json again.",
+            field,
+            value,
         )
-    _raw_geometry(f"{flag} {value}", parsed)
+    _raw_geometry(field, value, parsed)
 
 
-def _positive(flag: str, value: float | None, fix: str) -> None:
+def _positive(field: str, value: float | None, fix: str) -> None:
     if value is None:
         return
     if isinstance(value, float) and not math.isfinite(value):
-        raise CapacityInputError(f"{flag} {value}: must be a finite number. {fix}")
+        raise CapacityInputError(f"must be a finite number. {fix}", field, value)
     if not value > 0:
-        raise CapacityInputError(f"{flag} {value}: must be greater than 0. {fix}")
+        raise CapacityInputError(f"must be greater than 0. {fix}", field, value)
 
 
 def parse_device_capability(value: str) -> tuple[int, int]:
@@ -372,8 +418,10 @@ def parse_device_capability(value: str) -> tuple[int, int]:
     # CUDA minor versions are one digit (8.9, 12.1).
     if not (major.isdigit() and minor.isdigit() and len(minor) == 1):
         raise CapacityInputError(
-            f"--device-capability {value}: expected a CUDA compute capability "
-            "MAJOR.MINOR, e.g. 8.9 (L4/RTX 40), 9.0 (H100) or 12.0 (RTX 50)."
+            "expected a CUDA compute capability MAJOR.MINOR, e.g. 8.9 (L4/RTX 40), "
+            "9.0 (H100) or 12.0 (RTX 50).",
+            "device_capability",
+            value,
         )
     return int(major), int(minor)
 
@@ -402,7 +450,7 @@ def check_device_capability(value: str) -> list[str]:
     archs = _torch_cuda_archs()
     if archs is None:
         return [
-            f"--device-capability {value}: this torch has no CUDA build to check "
+            f"`device_capability` {value}: this torch has no CUDA build to check "
             "it against; the backends are chosen for it as given."
         ]
     # SASS runs on GPUs of its major version and an equal or higher minor;
@@ -417,12 +465,13 @@ def check_device_capability(value: str) -> list[str]:
 
         built = ", ".join(f"{k}_{a}{b}" for k, a, b in archs)
         raise CapacityInputError(
-            f"--device-capability {value}: no GPU of compute capability "
-            f"{major}.{minor} runs this vLLM: its torch {torch.__version__} "
-            f"carries CUDA kernels for {built}, and a kernel runs only on GPUs "
-            "of its major version with an equal or higher minor. Give the "
-            "capability of the GPU you plan for, e.g. 8.9 (L4/RTX 40), 9.0 "
-            "(H100/H200), 10.0 (B200) or 12.0 (RTX 50)."
+            f"no GPU of compute capability {major}.{minor} runs this vLLM: its "
+            f"torch {torch.__version__} carries CUDA kernels for {built}, and a "
+            "kernel runs only on GPUs of its major version with an equal or "
+            "higher minor. Give the capability of the GPU you plan for, e.g. 8.9 "
+            "(L4/RTX 40), 9.0 (H100/H200), 10.0 (B200) or 12.0 (RTX 50).",
+            "device_capability",
+            value,
         )
     return []
 
@@ -450,124 +499,144 @@ def _engine_default(name: str) -> Any:
 
 
 def check_request(req: CapacityRequest) -> list[str]:
-    """Refuse, by name, inputs that cannot describe a run of the engine.
+    """Refuse, by field, inputs that cannot describe a run of the engine.
     Returns warnings: inputs taken that change nothing in the plan."""
     use_planning_platform()
     warnings: list[str] = []
-    _model_dir("MODEL_DIR", req.model)
+    _model_dir("model", req.model)
     if req.draft is not None:
-        _model_dir("--draft", req.draft)
+        _model_dir("draft", req.draft)
     if req.pristine:
         found = series_modules()
         if found:
             import vllm
 
             raise CapacityInputError(
-                f"--pristine: this vLLM ({vllm.__version__}) carries the hybridkv "
-                f"series ({', '.join(found)}), whose engine code plans with the "
-                "series' rules; planning 0.20.2's rules with it would mix both "
-                "(e.g. plan TurboQuant on a hybrid that vLLM 0.20.2 refuses). Run "
-                "the planner against an unpatched vllm==0.20.2 install, where it "
-                "plans with 0.20.2's rules, or leave --pristine out."
+                f"this vLLM ({vllm.__version__}) carries the hybridkv series "
+                f"({', '.join(found)}), whose engine code plans with the series' "
+                "rules; planning 0.20.2's rules with it would mix both (e.g. plan "
+                "TurboQuant on a hybrid that vLLM 0.20.2 refuses). Run the planner "
+                "against an unpatched vllm==0.20.2 install, where it plans with "
+                "0.20.2's rules, or leave `pristine` out.",
+                "pristine",
+                req.pristine,
             )
-    _positive("--max-model-len", req.max_model_len, "Give the context length to plan.")
+    _positive("max_model_len", req.max_model_len, "Give the context length to plan.")
     _positive(
-        "--tensor-parallel-size",
+        "tensor_parallel_size",
         req.tensor_parallel_size,
         "It is the number of GPUs the model is sharded over (1 for one GPU).",
     )
     if req.num_speculative_tokens < 0:
         raise CapacityInputError(
-            f"--num-speculative-tokens {req.num_speculative_tokens}: must be 0 "
-            "(no speculative decoding) or more."
+            "must be 0 (no speculative decoding) or more.",
+            "num_speculative_tokens",
+            req.num_speculative_tokens,
         )
     if req.draft is not None and req.num_speculative_tokens == 0:
         raise CapacityInputError(
-            f"--draft {req.draft}: needs --num-speculative-tokens N (N >= 1), the "
-            "tokens the draft model proposes per step."
+            "needs `num_speculative_tokens` N (N >= 1), the tokens the draft model "
+            "proposes per step.",
+            "draft",
+            req.draft,
         )
-    _positive("--block-size", req.block_size, "Leave it out to plan the default.")
+    _positive("block_size", req.block_size, "Leave it out to plan the default.")
     _positive(
-        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
         req.max_num_batched_tokens,
         "It is the tokens the engine schedules per step; leave it out for the "
         "engine's default.",
     )
     if req.usage_context not in USAGE_CONTEXTS:
         raise CapacityInputError(
-            f"--usage-context {req.usage_context}: expected one of "
-            f"{', '.join(USAGE_CONTEXTS)} (`vllm serve` or the Python LLM class)."
+            f"expected one of {', '.join(USAGE_CONTEXTS)} (`vllm serve` or the "
+            "Python LLM class).",
+            "usage_context",
+            req.usage_context,
         )
     from typing import get_args
 
     from vllm.config.cache import MambaDType
 
-    for flag, dtype in (
-        ("--mamba-cache-dtype", req.mamba_cache_dtype),
-        ("--mamba-ssm-cache-dtype", req.mamba_ssm_cache_dtype),
-    ):
+    for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        dtype = getattr(req, name)
         if dtype not in get_args(MambaDType):
             raise CapacityInputError(
-                f"{flag} {dtype}: vLLM accepts "
-                f"{', '.join(repr(d) for d in get_args(MambaDType))} (as for "
-                f"`vllm serve {flag}`)."
+                f"vLLM accepts {', '.join(repr(d) for d in get_args(MambaDType))} "
+                "(as for `vllm serve`).",
+                name,
+                dtype,
             )
+    from vllm.config.cache import MambaCacheMode
+
+    modes = get_args(MambaCacheMode)
+    if req.mamba_cache_mode is not None and req.mamba_cache_mode not in modes:
+        raise CapacityInputError(
+            f"not a Mamba cache mode: vLLM accepts {', '.join(map(repr, modes))} "
+            "(as for `vllm serve`). Give one of them with `enable_prefix_caching`, "
+            "or leave it out for vLLM's choice.",
+            "mamba_cache_mode",
+            req.mamba_cache_mode,
+        )
     warnings += check_device_capability(req.device_capability)
-    _positive("--gpu-memory-gib", req.gpu_memory_gib, "It is one GPU's memory in GiB.")
+    _positive("gpu_memory_gib", req.gpu_memory_gib, "It is one GPU's memory in GiB.")
     if req.gpu_memory_gib is not None and not math.isfinite(req.gpu_memory_gib * GIB):
         raise CapacityInputError(
-            f"--gpu-memory-gib {req.gpu_memory_gib}: too large to count in bytes. "
-            "It is one GPU's memory in GiB, e.g. 80."
+            "too large to count in bytes. It is one GPU's memory in GiB, e.g. 80.",
+            "gpu_memory_gib",
+            req.gpu_memory_gib,
         )
     if req.kv_cache_memory_bytes is not None:
         _positive(
-            "--kv-cache-memory-bytes",
+            "kv_cache_memory_bytes",
             req.kv_cache_memory_bytes,
             "It is the KV-cache memory per GPU, as the engine's kv_cache_memory_bytes.",
         )
-        for flag, given in (
-            ("--weights-gib", req.weights_gib),
-            ("--gpu-memory-utilization", req.gpu_memory_utilization),
-            ("--overhead-gib", req.overhead_gib),
-        ):
+        for name in ("weights_gib", "gpu_memory_utilization", "overhead_gib"):
+            given = getattr(req, name)
             if given is not None:
                 warnings.append(
-                    f"{flag} {given}: no effect, --kv-cache-memory-bytes gives the "
-                    "KV-cache memory (only --gpu-memory-gib still counts: it picks "
-                    "the engine's scheduler defaults)."
+                    f"`{name}` {given}: no effect, `kv_cache_memory_bytes` gives "
+                    "the KV-cache memory (only `gpu_memory_gib` still counts: it "
+                    "picks the engine's scheduler defaults)."
                 )
         return warnings
     if req.gpu_memory_gib is None or req.weights_gib is None:
         raise CapacityInputError(
-            "no memory to plan with: give --kv-cache-memory-bytes (the KV-cache "
-            "memory per GPU), or --gpu-memory-gib (one GPU's memory) and "
-            "--weights-gib (the whole model's weights; divided by the "
+            "no memory to plan with: give `kv_cache_memory_bytes` (the KV-cache "
+            "memory per GPU), or `gpu_memory_gib` (one GPU's memory) and "
+            "`weights_gib` (the whole model's weights; divided by the "
             "tensor-parallel size)."
         )
-    _positive(
-        "--weights-gib", req.weights_gib, "It is the whole model's weights in GiB."
-    )
+    _positive("weights_gib", req.weights_gib, "It is the whole model's weights in GiB.")
     utilization = req.gpu_memory_utilization
     if utilization is not None and not math.isfinite(utilization):
         raise CapacityInputError(
-            f"--gpu-memory-utilization {utilization}: must be a finite number in "
-            "(0, 1], the share of each GPU's memory vLLM may use (e.g. 0.9)."
+            "must be a finite number in (0, 1], the share of each GPU's memory "
+            "vLLM may use (e.g. 0.9).",
+            "gpu_memory_utilization",
+            utilization,
         )
     if utilization is not None and not 0 < utilization <= 1:
         raise CapacityInputError(
-            f"--gpu-memory-utilization {utilization}: must be in "
-            "(0, 1], the share of each GPU's memory vLLM may use (e.g. 0.9)."
+            "must be in (0, 1], the share of each GPU's memory vLLM may use "
+            "(e.g. 0.9).",
+            "gpu_memory_utilization",
+            utilization,
         )
     overhead = req.overhead_gib
     if overhead is not None and not math.isfinite(overhead):
         raise CapacityInputError(
-            f"--overhead-gib {overhead}: must be a finite number, 0 or more "
-            "(activations, CUDA graphs and NCCL buffers per GPU)."
+            "must be a finite number, 0 or more (activations, CUDA graphs and "
+            "NCCL buffers per GPU).",
+            "overhead_gib",
+            overhead,
         )
     if overhead is not None and overhead < 0:
         raise CapacityInputError(
-            f"--overhead-gib {overhead}: must be 0 or more (activations, "
-            "CUDA graphs and NCCL buffers per GPU)."
+            "must be 0 or more (activations, CUDA graphs and NCCL buffers per GPU).",
+            "overhead_gib",
+            overhead,
         )
     return warnings
 
@@ -587,9 +656,9 @@ def available_kv_memory(req: CapacityRequest) -> int:
         raise CapacityInputError(
             f"nothing left for the KV cache: {req.gpu_memory_gib} GiB x "
             f"{utilization} = {usable:.2f} GiB per GPU, minus weights "
-            f"{weights:.2f} GiB (--weights-gib / --tensor-parallel-size) and "
-            f"--overhead-gib {overhead} leaves {per_gpu:.2f} GiB. Use more "
-            "or larger GPUs, a higher --gpu-memory-utilization, or smaller weights."
+            f"{weights:.2f} GiB (`weights_gib` / `tensor_parallel_size`) and "
+            f"`overhead_gib` {overhead} leaves {per_gpu:.2f} GiB. Use more "
+            "or larger GPUs, a higher `gpu_memory_utilization`, or smaller weights."
         )
     return int(per_gpu * GIB)
 
@@ -653,16 +722,21 @@ def tensor_parallel_problems(text_config: Any, tp: int) -> list[str]:
     return problems
 
 
-def check_tensor_parallel(text_config: Any, tp: int, flag: str) -> None:
+def check_tensor_parallel(text_config: Any, tp: int, draft: str | None = None) -> None:
+    """``text_config`` is the main model's, or that of the ``draft`` model
+    directory, which runs at the main model's tensor-parallel size."""
     problems = tensor_parallel_problems(text_config, tp)
     if problems:
         fits = [n for n in range(1, 65) if not tensor_parallel_problems(text_config, n)]
+        model = "the model" if draft is None else f"the draft model {draft}"
         raise CapacityInputError(
-            f"{flag} {tp}: the model cannot be sharded over {tp} GPUs: "
+            f"{model} cannot be sharded over {tp} GPUs: "
             + "; ".join(problems)
             + ". The engine would stop at model load. Sizes that shard evenly: "
             + ", ".join(str(n) for n in fits[:8])
-            + "."
+            + ".",
+            "tensor_parallel_size",
+            tp,
         )
 
 
@@ -723,20 +797,21 @@ def geometry_problems(text_config: Any) -> list[str]:
     return problems
 
 
-def check_geometry(text_config: Any, label: str) -> None:
+def check_geometry(text_config: Any, field: str, value: str) -> None:
     problems = geometry_problems(text_config)
     if problems:
-        raise _geometry_error(label, problems)
+        raise _geometry_error(field, value, problems)
 
 
 def check_skip_layers(req: CapacityRequest, num_layers: int) -> None:
     for entry in req.kv_cache_dtype_skip_layers:
         if entry.isdigit() and int(entry) >= num_layers:
             raise CapacityInputError(
-                f"--kv-cache-dtype-skip-layers {entry}: the model has {num_layers} "
-                f"layers (indices 0-{num_layers - 1}), so this entry would skip "
-                "nothing. Give an index in range, 'boundary:N', 'draft' or "
-                "'sliding_window'."
+                f"the model has {num_layers} layers (indices 0-{num_layers - 1}), "
+                "so this entry would skip nothing. Give an index in range, "
+                "'boundary:N', 'draft' or 'sliding_window'.",
+                "kv_cache_dtype_skip_layers",
+                entry,
             )
 
 
@@ -780,8 +855,8 @@ def use_planning_platform() -> None:
 @contextlib.contextmanager
 def _cuda_target_config_check() -> Iterator[None]:
     # A CPU platform resolved before the planner ran (vLLM's CPU build, or a
-    # test run) must not apply CPU rules to a config planned for CUDA: leave
-    # its config check out for this call only.
+    # platform plugin) must not apply CPU rules to a config planned for CUDA:
+    # leave its config check out for this call only.
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or "check_and_update_config" in vars(
@@ -851,7 +926,7 @@ def _cuda_platform_cls(
         def get_device_total_memory(cls, device_id: int = 0) -> int:
             if memory_bytes is None:
                 # The engine's fallback for a GPU it cannot query.
-                raise RuntimeError("GPU memory not given (--gpu-memory-gib)")
+                raise RuntimeError("GPU memory not given (`gpu_memory_gib`)")
             return memory_bytes
 
         @classmethod
@@ -1144,7 +1219,7 @@ def attention_backends(
         )
         try:
             # As at model build: backends read the config being built (e.g.
-            # FlashAttention's kernel block sizes for a given --block-size).
+            # FlashAttention's kernel block sizes for a given block size).
             with set_current_vllm_config(vllm_config):
                 path = cuda.get_attn_backend_cls(
                     vllm_config.attention_config.backend, selector
@@ -1220,6 +1295,12 @@ def engine_config(
         max_num_batched_tokens=req.max_num_batched_tokens,
         mamba_cache_dtype=req.mamba_cache_dtype,
         mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
+        enable_prefix_caching=req.enable_prefix_caching,
+        mamba_cache_mode=(
+            _engine_default("mamba_cache_mode")
+            if req.mamba_cache_mode is None
+            else req.mamba_cache_mode
+        ),
     )
     with _cuda_target_config_check():
         return engine_args.create_engine_config(
@@ -1229,10 +1310,10 @@ def engine_config(
 
 def _batch_source(req: CapacityRequest) -> str:
     if req.max_num_batched_tokens is not None:
-        return "--max-num-batched-tokens"
+        return "`max_num_batched_tokens`"
     who = "vllm serve" if req.usage_context == "serve" else "the LLM class"
     if req.gpu_memory_gib is None:
-        return f"{who}'s default where the GPU's memory is not given (--gpu-memory-gib)"
+        return f"{who}'s default where the GPU's memory is not given (`gpu_memory_gib`)"
     return (
         f"{who}'s default for a {req.gpu_memory_gib:g} GiB GPU of SM "
         f"{req.device_capability}"
@@ -1249,12 +1330,10 @@ def check_model(req: CapacityRequest) -> None:
     """Checks the engine makes only later (at model load), or never."""
     from vllm.transformers_utils.config import get_config
 
-    models = [(req.model, f"MODEL_DIR {req.model}", "--tensor-parallel-size")]
+    models = [("model", req.model)]
     if req.draft:
-        # The draft runs at the main model's tensor-parallel size.
-        flag = f"--tensor-parallel-size (draft model {req.draft})"
-        models.append((req.draft, f"--draft {req.draft}", flag))
-    for model, label, flag in models:
+        models.append(("draft", req.draft))
+    for field_name, model in models:
         try:
             hf_config = get_config(model, trust_remote_code=False)
         except Exception as e:
@@ -1262,14 +1341,17 @@ def check_model(req: CapacityRequest) -> None:
             # vLLM's config classes) raise here is about that file.
             cause = " ".join(f"{type(e).__name__}: {e}".split())
             raise CapacityInputError(
-                f"{label}: transformers cannot read its config.json ({cause}). "
-                "Fix the value it names in config.json (the engine reads it the "
-                "same way), or fetch the model's config.json again."
+                f"transformers cannot read its config.json ({cause}). Fix the "
+                "value it names in config.json (the engine reads it the same "
+                "way), or fetch the model's config.json again.",
+                field_name,
+                model,
             ) from e
         text = hf_config.get_text_config()
-        check_geometry(text, label)
-        check_tensor_parallel(text, req.tensor_parallel_size, flag)
-        if model == req.model:
+        check_geometry(text, field_name, model)
+        draft = model if field_name == "draft" else None
+        check_tensor_parallel(text, req.tensor_parallel_size, draft)
+        if draft is None:
             check_skip_layers(req, int(getattr(text, "num_hidden_layers", 0) or 0))
 
 
@@ -1307,76 +1389,131 @@ def check_options_take_effect(
     plan; return warnings for those that are merely redundant."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     attention, drafters = _skip_rule_layers(vllm_config, layers)
-    entries = list(req.kv_cache_dtype_skip_layers)
+    entries = req.kv_cache_dtype_skip_layers
+    skip = "kv_cache_dtype_skip_layers"
     if entries and cache_dtype == "auto":
         raise CapacityInputError(
-            f"--kv-cache-dtype-skip-layers {' '.join(entries)}: the KV cache is not "
-            f"quantized (--kv-cache-dtype {req.kv_cache_dtype}), so every layer "
-            "already stores the model dtype and the entries have no effect. Leave "
-            "the option out, or give a quantized --kv-cache-dtype (fp8, "
-            "turboquant_4bit_nc, ...)."
+            f"the KV cache is not quantized (`kv_cache_dtype` {req.kv_cache_dtype}), "
+            "so every layer already stores the model dtype and the entries have no "
+            "effect. Leave the option out, or give a quantized `kv_cache_dtype` "
+            "(fp8, turboquant_4bit_nc, ...).",
+            skip,
+            entries,
         )
     for entry in entries:
-        nothing = f"--kv-cache-dtype-skip-layers {entry}: "
         if entry.isdigit() and int(entry) not in attention:
             raise CapacityInputError(
-                f"{nothing}layer {entry} is a linear-attention (GDN/Mamba) layer; "
-                "it keeps a recurrent state, not a KV cache, so the entry would "
-                "skip nothing. The model's attention layers are "
-                f"{_indices(attention)}: give one of those, 'boundary:N', 'draft' "
-                "or 'sliding_window'."
+                f"layer {entry} is a linear-attention (GDN/Mamba) layer; it keeps a "
+                "recurrent state, not a KV cache, so the entry would skip nothing. "
+                f"The model's attention layers are {_indices(attention)}: give one "
+                "of those, 'boundary:N', 'draft' or 'sliding_window'.",
+                skip,
+                entry,
             )
         if entry == "sliding_window" and not any(g.kind == "sliding" for g in layers):
             raise CapacityInputError(
-                f"{nothing}the model has no sliding-window layers, so the entry "
-                "would skip nothing. Leave it out."
+                "the model has no sliding-window layers, so the entry would skip "
+                "nothing. Leave it out.",
+                skip,
+                entry,
             )
         if entry == "draft" and not drafters:
             raise CapacityInputError(
-                f"{nothing}there is no drafter (--num-speculative-tokens with the "
-                "model's MTP layers, or --draft), so the entry would skip nothing. "
-                "Leave it out, or plan the speculative decoding it is meant for."
+                "there is no drafter (`num_speculative_tokens` with the model's MTP "
+                "layers, or `draft`), so the entry would skip nothing. Leave it "
+                "out, or plan the speculative decoding it is meant for.",
+                skip,
+                entry,
             )
         if entry.startswith("boundary:") and entry[len("boundary:") :].isdigit():
             n = int(entry[len("boundary:") :])
             if not cache_dtype.startswith("turboquant_"):
                 raise CapacityInputError(
-                    f"{nothing}boundary protection is TurboQuant's; with "
-                    f"--kv-cache-dtype {cache_dtype} the engine matches layers by "
-                    "index only, so the entry would skip nothing. Give the indices "
-                    "of the layers to keep instead."
+                    "boundary protection is TurboQuant's; with `kv_cache_dtype` "
+                    f"{cache_dtype} the engine matches layers by index only, so the "
+                    "entry would skip nothing. Give the indices of the layers to "
+                    "keep instead.",
+                    skip,
+                    entry,
                 )
             if n > len(attention):
                 raise CapacityInputError(
-                    f"{nothing}the model has {len(attention)} attention layers "
+                    f"the model has {len(attention)} attention layers "
                     f"({_indices(attention)}), so boundary:{n} would keep every one "
-                    f"at the model dtype and --kv-cache-dtype {cache_dtype} would "
+                    f"at the model dtype and `kv_cache_dtype` {cache_dtype} would "
                     "apply to none. Give N of at most "
                     f"{max(0, (len(attention) - 1) // 2)} (N at each end), or "
-                    "--kv-cache-dtype auto."
+                    "`kv_cache_dtype` auto.",
+                    skip,
+                    entry,
                 )
     if not any(g.kind == "mamba" for g in layers):
-        for flag, dtype in (
-            ("--mamba-cache-dtype", req.mamba_cache_dtype),
-            ("--mamba-ssm-cache-dtype", req.mamba_ssm_cache_dtype),
+        for name, default in (
+            ("mamba_cache_dtype", "auto"),
+            ("mamba_ssm_cache_dtype", "auto"),
+            ("mamba_cache_mode", None),
         ):
-            if dtype != "auto":
+            given = getattr(req, name)
+            if given != default:
                 raise CapacityInputError(
-                    f"{flag} {dtype}: the model has no GDN/Mamba layers, so it has "
-                    "no effect. Leave it out."
+                    "the model has no GDN/Mamba layers, so it has no effect. "
+                    "Leave it out.",
+                    name,
+                    given,
                 )
-    warnings = []
+    warnings = check_mamba_cache_mode(req, vllm_config)
     if req.language_model_only and not vllm_config.model_config.is_multimodal_model:
         warnings.append(
-            "--language-model-only: no effect, the model has no multimodal encoder."
+            "`language_model_only`: no effect, the model has no multimodal encoder."
         )
     return warnings
+
+
+def check_mamba_cache_mode(req: CapacityRequest, vllm_config: Any) -> list[str]:
+    """A Mamba cache mode the engine replaces by another (its config checks,
+    ``HybridAttentionMambaModelConfig``): refused where that makes it change
+    nothing, a warning where vLLM falls back to a mode the model supports."""
+    mode = req.mamba_cache_mode
+    if mode is None:
+        return []
+    cache_config = vllm_config.cache_config
+    final = cache_config.mamba_cache_mode
+    if not cache_config.enable_prefix_caching:
+        why = (
+            "the engine's default for GDN/Mamba hybrids"
+            if req.enable_prefix_caching is None
+            else "as asked"
+        )
+        raise CapacityInputError(
+            "a Mamba cache mode applies only with prefix caching, which is off "
+            f'({why}); without it the engine sets the mode to none ("Mamba '
+            "cache mode is set to 'none' when prefix caching is disabled\"), so "
+            "it has no effect. Turn prefix caching on with "
+            "`enable_prefix_caching`, or leave the mode out.",
+            "mamba_cache_mode",
+            mode,
+        )
+    if mode == "none":
+        raise CapacityInputError(
+            "with prefix caching on, the engine reads none as no choice and picks "
+            f"its own mode ({final} for this model), so it has no effect. Give "
+            "all or align, or leave it out for vLLM's choice.",
+            "mamba_cache_mode",
+            mode,
+        )
+    if final != mode:
+        return [
+            f"`mamba_cache_mode` {mode}: the engine falls back to {final}, as "
+            f"{vllm_config.model_config.architecture} has no prefix caching in "
+            f"Mamba cache mode {mode}; the plan is {final}'s."
+        ]
+    return []
 
 
 def check_quantized_layers(
     req: CapacityRequest, vllm_config: Any, layer_dtypes: dict[str, int]
 ) -> None:
-    """A quantized --kv-cache-dtype that the skip rules keep off every layer."""
+    """A quantized ``kv_cache_dtype`` that the skip rules keep off every layer."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype == "auto" or not layer_dtypes or cache_dtype in layer_dtypes:
         return
@@ -1384,12 +1521,14 @@ def check_quantized_layers(
     indices = sum(1 for entry in resolved if entry.isdigit())
     given = " ".join(req.kv_cache_dtype_skip_layers) or "none given"
     raise CapacityInputError(
-        f"--kv-cache-dtype {req.kv_cache_dtype}: no attention layer is left at it: "
-        f"the skip rules (--kv-cache-dtype-skip-layers: {given}; the engine adds "
-        f"boundary protection's and sliding-window layers, {indices} layer "
-        f"indices in all) keep all {sum(layer_dtypes.values())} attention layers "
-        "at the model dtype, so the option has no effect. Keep fewer layers "
-        "(e.g. a smaller boundary:N, or boundary:0), or use --kv-cache-dtype auto."
+        "no attention layer is left at it: the skip rules "
+        f"(`kv_cache_dtype_skip_layers`: {given}; the engine adds boundary "
+        f"protection's and sliding-window layers, {indices} layer indices in all) "
+        f"keep all {sum(layer_dtypes.values())} attention layers at the model "
+        "dtype, so the option has no effect. Keep fewer layers (e.g. a smaller "
+        "boundary:N, or boundary:0), or use `kv_cache_dtype` auto.",
+        "kv_cache_dtype",
+        req.kv_cache_dtype,
     )
 
 
@@ -1528,6 +1667,14 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
         report.max_num_batched_tokens = (
             vllm_config.scheduler_config.max_num_batched_tokens
         )
+        cache_config = vllm_config.cache_config
+        report.enable_prefix_caching = cache_config.enable_prefix_caching
+        report.prefix_caching_source = (
+            "the engine's default for this model"
+            if req.enable_prefix_caching is None
+            else "as asked"
+        )
+        report.mamba_cache_mode = cache_config.mamba_cache_mode
         layers = all_layers(vllm_config)
         report.warnings += check_options_take_effect(req, vllm_config, layers)
         with _engine_step("block size for the hybrid page layout"):
@@ -1547,6 +1694,8 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
         vllm_config, layers, capability, pristine
     )
     report.block_size = vllm_config.cache_config.block_size
+    # The hybrid page planner sets it with the block size.
+    report.mamba_block_size = vllm_config.cache_config.mamba_block_size
     report.num_blocks = config.num_blocks
     concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, config)
     report.max_concurrency = round(concurrency, 2)
@@ -1576,6 +1725,17 @@ def format_report(r: CapacityReport) -> str:
             f"  max_num_batched_tokens: {r.max_num_batched_tokens:,} "
             f"({r.max_num_batched_tokens_source})"
         )
+    if r.enable_prefix_caching is not None:
+        caching = (
+            f"  prefix caching: {'on' if r.enable_prefix_caching else 'off'} "
+            f"({r.prefix_caching_source})"
+        )
+        if r.mamba_block_size is not None:
+            caching += (
+                f"; Mamba cache mode: {r.mamba_cache_mode}, "
+                f"mamba_block_size: {r.mamba_block_size:,}"
+            )
+        lines.append(caching)
     # Every page figure is one block of ONE layer, whatever the spec type.
     lines.append(
         f"  {'KV cache groups':<24}{'groups':>7}{'layers':>7}{'block':>7}"

@@ -9,9 +9,9 @@ new combination of layer types, KV dtypes or a draft model -- the user sees an
 below raises :class:`KVCacheSpecError` naming the layers, their spec types and
 sizes, and what to try instead.
 
-The error classes keep the old exception types as bases, so callers (and
-tests) that catch ``AssertionError`` or ``NotImplementedError`` still work,
-and the checks also run under ``python -O``.
+The error classes keep the old exception types as bases, so callers that
+catch ``AssertionError`` or ``NotImplementedError`` still work, and the
+checks also run under ``python -O``.
 """
 
 from collections.abc import Iterable, Mapping

@@ -22,7 +22,6 @@ of the scheduler's token budget, which the startup memory profile covers; a
 single request longer than that is a group of its own.
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,11 +33,10 @@ from vllm.v1.attention.ops.triton_turboquant_decode import (
     _tq_full_dequant_kv,
     _use_fp8_e4b15,
 )
-from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
-    is_backend_hadamard,
-    rotate_query,
-)
+from vllm.v1.attention.ops.triton_turboquant_rotate_query import rotate_query
+from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
 from vllm.v1.attention.ops.turboquant_prefill import sdpa_prefill
+from vllm.v1.attention.ops.turboquant_slot_layout import config_slot_layout
 
 
 @dataclass(frozen=True)
@@ -199,6 +197,7 @@ def _dequantize_cached(
     """
     Hk, D = kv_cache.shape[2], impl.head_size
     cfg = impl.tq_config
+    layout = config_slot_layout(cfg)
     k16 = torch.empty(cached, Hk, D, dtype=torch.float16, device=kv_cache.device)
     v16 = torch.empty_like(k16)
     _tq_full_dequant_kv[(cached, Hk)](
@@ -220,12 +219,12 @@ def _dequantize_cached(
         HEAD_DIM=D,
         BLOCK_SIZE=kv_cache.shape[1],
         NUM_KV_HEADS=Hk,
-        MSE_BYTES=impl._mse_bytes,
-        KPS=cfg.key_packed_size,
-        VQB=cfg.effective_value_quant_bits,
-        VAL_DATA_BYTES=impl._val_data_bytes,
-        MSE_BITS=cfg.key_mse_bits,
-        KEY_FP8=1 if cfg.key_fp8 else 0,
+        MSE_BYTES=layout.key_index_bytes,
+        KPS=layout.key_bytes,
+        VQB=layout.value_bits,
+        VAL_DATA_BYTES=layout.value_index_bytes,
+        MSE_BITS=layout.key_bits,
+        KEY_FP8=1 if layout.key_fp8 else 0,
         BLOCK_D=triton.next_power_of_2(D),
         NORM_CORRECTION=1 if cfg.norm_correction else 0,
         FP8_E4B15=_use_fp8_e4b15(kv_cache.device.index or 0),
@@ -261,10 +260,6 @@ def warm_continuation_kernels(
     alignments of serving.
     """
     if getattr(layer, "_tq_continuation_warm", False) or kv_cache.numel() == 0:
-        return
-    # Triton runs on CPU tensors only under its interpreter (tests), where
-    # there is nothing to compile.
-    if kv_cache.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return
     if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
         return

@@ -26,7 +26,7 @@ value crosses threads:
   picks 4 bytes of 8 at once. ``key_table`` holds the magnitudes' fp16 heads
   and tails as byte planes and their squares in 22-bit fixed point (norm
   correction, summed exactly by ``dp4a``). A 256-entry table in global
-  memory, gathered per key byte, kept L1 at ~80 % of its peak (release 12).
+  memory, gathered per key byte, kept L1 at ~80 % of its peak.
   Centroids that are fp16 values (a TurboQuant layer's are: see
   ``fp16_centroids``) have zero tails; their lookup and dot are skipped.
   3-bit MSE keys (``turboquant_k3v4_nc``) are spread to those 4-bit words
@@ -41,9 +41,9 @@ value crosses threads:
 It writes the same partial results as the Triton stage 1 (``Out`` with one
 split, else ``Mid`` and the log-sum-exp), so the same merge kernel follows.
 
-``decode_attention`` takes it wherever it serves (``HYBRIDKV_TQ_DECODE=triton``
+``turboquant_decode`` takes it wherever it serves (``VLLM_TURBOQUANT_DECODE=triton``
 keeps the Triton stage 1). On an H100 its stage 1 ran in half the Triton
-stage 1's time at 16 x 8K (benchmarks/NOTES.md, "Release 9").
+stage 1's time at 16 x 8K (benchmarks/NOTES.md).
 """
 
 import functools
@@ -59,6 +59,12 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.logger import init_logger
+from vllm.v1.attention.ops.turboquant_device import programmatic_launch
+from vllm.v1.attention.ops.turboquant_slot_layout import (
+    slot_layout,
+    stage1_strides,
+    words_aligned,
+)
 
 logger = init_logger(__name__)
 
@@ -98,7 +104,7 @@ def serves(
 # 255 keeps 2, 8 per SM. Uncapped, ptxas chose 166-168 at head_dim 128 but
 # 186-224 for the MSE presets at 256 and 512, so splits sized for more than
 # 8 warps ran in waves the split count did not model; capped, those spill
-# 0-14 bytes and ran 2-10 % faster (H100; benchmarks/NOTES.md, "Release 19").
+# 0-14 bytes and ran 2-10 % faster (H100; benchmarks/NOTES.md).
 MAX_REGISTERS = 168
 SCHEDULERS_PER_SM = 4
 REGISTERS_PER_SCHEDULER = 16384
@@ -702,8 +708,8 @@ def _tile_words(
     tb = KV_ptr + (blk * stride_cb + (tile % PAGE) * stride_cp + head_off)
     kw = _load_field(tb, offk, kin, MSE3)
     # SHIFTED: word offsets from the key field's first word (_stage1). Its own
-    # branch, so that the other paths keep release 26's statement order (and
-    # SASS: the order of these loads moved their registers at head_dim 256).
+    # branch, so that the other paths keep their statement order (and SASS:
+    # the order of these loads moved their registers at head_dim 256).
     if SHIFTED:
         live = (tile + ns) < end
         tok = tb + ns * stride_cp
@@ -1193,6 +1199,7 @@ def _constexprs(
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
+    layout = slot_layout(head_dim, key_fp8, mse_bits, value_bits)
     if shifted and key_packed_size % 4 != 2:
         # _stage1 finds the norm, scale and zero by the value field's start
         # being 2 bytes past the key field's (mod 4).
@@ -1213,15 +1220,15 @@ def _constexprs(
             TAILS=mse and bool(tails),
             SQUARES=correct and bool(tails),
             GRAM=correct and not tails,
-            NORM16=0 if key_fp8 else head_dim * mse_bits // 16,
+            NORM16=layout.key_index_bytes // 2,
             VOFF16=key_packed_size // 2,
             # 3-bit values: the next tile's block number is read a tile
             # ahead. Read beside the words, ptxas put turboquant_3bit_nc's
             # word loads after the softmax (~170 instructions later) once
             # the query was read in one piece, and head_dim 128 ran 1-6 %
-            # slower than release 23; a tile ahead, 2-8 % faster except at
+            # slower than before; a tile ahead, 2-8 % faster except at
             # 64 x 32K (+2.5 %). The other presets ran up to 3.5 % slower
-            # that way (H100; benchmarks/NOTES.md, "Release 24").
+            # that way (H100; benchmarks/NOTES.md).
             PAGE_AHEAD=value_bits == 3,
             PDL=pdl,
             SHIFTED=shifted,
@@ -1239,8 +1246,8 @@ def _unit_bytes(word32: bool) -> int:
 def _shiftable(head_dim: int, key_fp8: bool, mse_bits: int, value_bits: int) -> bool:
     """4-bit MSE keys and 4-bit values (slots of head_dim + 6 bytes), at
     head_dim 128 or 256. At 512 the shifted tile spilled 40 bytes (12 local
-    loads and stores a tile) and ran 0.2 % faster (H200; NOTES, "Release
-    27"): the 16-bit path stays there."""
+    loads and stores a tile) and ran 0.2 % faster (H200; benchmarks/NOTES.md):
+    the 16-bit path stays there."""
     return not key_fp8 and mse_bits == 4 and value_bits == 4 and head_dim <= 256
 
 
@@ -1267,10 +1274,6 @@ def shifted_slots(
     slot's zero). Stage 1 stores that last half-word there, read with the
     norm or the scale, and reads the field rotated by 4 dimensions. 3-bit
     fields keep the 16-bit path."""
-    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
-        words_aligned,
-    )
-
     return (
         _shiftable(head_dim, key_fp8, mse_bits, value_bits)
         and words_aligned(kv_cache, 2)
@@ -1298,17 +1301,10 @@ def stage1(
     norm_correction: bool,
     value_bits: int = 4,
     key_tails: bool = True,
-    runner=None,
 ) -> None:
-    """Launch stage 1 (``runner(kernel, grid, args, constexprs)`` replaces the
-    launch in tests that execute the kernel's body elsewhere)."""
-    # The caller's module; imported here because it imports this one.
-    from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
-        programmatic_launch,
-        stage1_strides,
-        words_aligned,
-    )
-
+    """Launch stage 1: partial results of ``num_splits`` context splits per
+    (row, KV head) into ``mid``, or with one split the output into ``out``;
+    ``triton_turboquant_decode_splitkv.merge`` combines them."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4; the 4-bit
@@ -1361,76 +1357,17 @@ def stage1(
     # rows the live splits are the first few: sent first, they run while the
     # empty ones behind them drain, instead of waiting among them. 150 rows
     # of 640 tokens at 9 splits (3 live): 121 -> 100 us (k8v4), 169 -> 131
-    # (4bit_nc) on an H100 (benchmarks/NOTES.md, "Release 20").
-    grid = (Hk, B, num_splits)
-    if runner is not None:
-        runner(_stage1, grid, args, constexprs)
-        return
-    _stage1[grid](
+    # (4bit_nc) on an H100 (benchmarks/NOTES.md).
+    _launch(_stage1, (Hk, B, num_splits), args, constexprs)
+
+
+def _launch(
+    kernel, grid: tuple[int, ...], args: tuple, constexprs: Mapping[str, object]
+):
+    kernel[grid](
         *args,
         **constexprs,
         num_warps=constexprs["W"],
         maxnreg=MAX_REGISTERS,
         launch_pdl=constexprs["PDL"],
-    )
-
-
-def static_compile(
-    head_dim: int,
-    group: int,
-    key_fp8: bool,
-    mse_bits: int,
-    key_packed_size: int,
-    norm_correction: bool,
-    token_bytes: int,
-    arch: int = 90,
-    word32: bool | None = None,
-    value_bits: int = 4,
-    key_tails: bool = True,
-    shifted: bool | None = None,
-):
-    """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
-    reports): bf16 queries and outputs, pages of 16 tokens ``token_bytes``
-    apart (a cache's stride(1): KV heads x slot; a constant of the compiled
-    kernel, and ptxas allocates registers differently per value), split,
-    launched programmatically from sm_90 as ``stage1`` launches it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    # 32-bit words where the slots allow them (FP8 keys; 4-bit keys and
-    # values at a token stride of whole words), as stage1() decides.
-    word32 = key_fp8 if word32 is None else word32
-    if shifted is None:
-        shifted = _shiftable(head_dim, key_fp8, mse_bits, value_bits)
-        shifted = shifted and token_bytes % 4 == 0
-    constexprs = _constexprs(
-        head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
-        word32, True, 256, value_bits, key_tails,
-        token_bytes // _unit_bytes(word32 or shifted), arch >= 90, shifted,
-    )  # fmt: skip
-    pointers = dict(
-        Q_ptr="*bf16" if key_fp8 else "*fp32",
-        KV_ptr="*i32" if word32 else "*i16",
-        Block_table_ptr="*i32",
-        Seq_lens_ptr="*i32",
-        Table_ptr="*i32",
-        Out_ptr="*bf16",
-        Mid_ptr="*fp32",
-        qk_scale="fp32",
-    )
-    names = _stage1.arg_names
-    signature = {
-        n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names
-    }
-    # Pointers 16-byte aligned, as Triton specializes them at launch.
-    aligned = {
-        (names.index(n),): [["tt.divisibility", 16]]
-        for n in pointers
-        if n.endswith("_ptr")
-    }
-    return triton.compile(
-        GluonASTSource(_stage1, signature, constexprs=constexprs, attrs=aligned),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=constexprs["W"], maxnreg=MAX_REGISTERS),
     )

@@ -37,61 +37,22 @@ Each row is independent (its own ``seq_lens`` entry and block-table row), so
 one launch serves plain decode rows, speculative verify rows (one row per
 query token of a request) and CUDA-graph padding rows (seq_len 0, output 0).
 
-On sm_89+ GPUs the first kernel is, for the layouts it serves, the Gluon
-stage 1 (``gluon_turboquant_decode``): the same inputs and partial results,
-without the shared-memory round trips Triton puts around every dot.
+``turboquant_decode`` picks this stage 1 or the Gluon one
+(``gluon_turboquant_decode``), whose partial results the same merge reads.
 """
-
-import functools
-import os
-from fractions import Fraction
 
 import torch
 
-from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
-
-# HYBRIDKV_TQ_DECODE (A/B runs): unset or "gluon", the Gluon stage 1
-# (gluon_turboquant_decode: CUDA sm_89+) where it serves, else this module's
-# Triton stage 1; "triton", the Triton stage 1 only; "legacy", 0.20.2's kernel.
-DECODE_MODES = ("gluon", "triton", "legacy")
-
-
-def decode_mode(value: str) -> str:
-    """The stage-1 choice named by ``HYBRIDKV_TQ_DECODE``'s ``value``."""
-    mode = value.strip().lower() or "gluon"
-    if mode not in DECODE_MODES:
-        raise ValueError(
-            f"HYBRIDKV_TQ_DECODE={value!r} is not a TurboQuant decode kernel; "
-            f"expected one of {', '.join(DECODE_MODES)} (or unset for gluon)"
-        )
-    return mode
-
-
-_MODE = decode_mode(os.environ.get("HYBRIDKV_TQ_DECODE", ""))
-ENABLED = _MODE != "legacy"
-# Largest split count x head_dim of a Gluon decode: past it the merge's reads
-# of the partials cost more than the splits gain. On an H100, 1 x 32K
-# Qwen3-4B took 51 us at 128 splits and 128 us at 256 (release 10).
-GLUON_MAX_SPLIT_DIMS = 128 * 128
-# A Gluon program's cost apart from its tokens, as a share of one pass over
-# the whole context. 16 x 8K on Qwen3-4B took 10 us longer at 32 splits (4
-# waves) than at 16 (2 waves) on an H100, ~1/256 of a 1.2 ms pass per wave.
-GLUON_PROGRAM_COST = Fraction(1, 256)
-# From this many waves of one program per (row, KV head), the Gluon stage 1
-# does not split. A batch that large holds short rows (the KV cache bounds
-# rows x context), and there a split costs about what its tokens do: each
-# program's prologue, its partial result and the merge. 500 x 576 on Qwen3-4B
-# (3.8 waves) took 209 / 290 us at one split and 364 / 531 us at the 5 the
-# wave model chose (k8v4 / 4bit_nc, H100; benchmarks/NOTES.md, "Release 17").
-# Below it rows can be long and the idle part of the last wave large: 160 x
-# 8192 (1.2 waves) took 1,189 us at one split and 879 at 9.
-GLUON_ONE_SPLIT_WAVES = Fraction(3, 2)
-# Below this many warps per SM at the largest split count, the Triton stage 1
-# (its 4-warp programs fill the SMs with fewer splits). 1 x 32K Qwen3-4B on an
-# H100: 32 splits (1.9 warps/SM) 86 / 144 us (k8v4 / 4bit_nc) vs Triton's
-# 122 / 144; 16 splits (1 warp/SM) 148 / 243 us.
-GLUON_MIN_WARPS_PER_SM = 1.5
+from vllm.v1.attention.ops.turboquant_device import (
+    programmatic_launch,
+    use_fp8_e4b15,
+)
+from vllm.v1.attention.ops.turboquant_slot_layout import (
+    SlotLayout,
+    stage1_strides,
+    words_aligned,
+)
 
 # Launch geometry per head_dim: (tokens per tile, warps, key dimensions per
 # dot, register cap or 0). From sm_90 compiles (Triton + ptxas -v, no GPU;
@@ -119,195 +80,12 @@ def default_geometry(head_dim: int, key_fp8: bool) -> tuple[int, int, int, int]:
     return GEOMETRY[head_dim]
 
 
-# Programs per SM the split count aims for when the batch is small.
-PROGRAMS_PER_SM = 8
-# A split covers at least this many tokens (applied on the device).
-MIN_SPLIT_TOKENS = 256
 # Splits the merge reads per step (a [MERGE_BLOCK_SPLITS, head_dim] fp32
 # tile): the backend's 32 per row in one step.
 MERGE_BLOCK_SPLITS = 32
 # Query heads per KV head this kernel serves (the head and tail halves of a
 # 16-row dot operand).
 MAX_GROUP = 8
-
-_LOG2E = 1.4426950408889634
-
-_sm_counts: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index or 0
-    if index not in _sm_counts:
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(index)
-            _sm_counts[index] = props.multi_processor_count
-        else:
-            # Triton interpreter (CPU tensors): any fixed figure will do.
-            _sm_counts[index] = 4
-    return _sm_counts[index]
-
-
-def _use_fp8_e4b15(device: torch.device) -> int:
-    # 0.20.2's rule (Ampere/Ada have no e4m3 conversions), which its store
-    # kernels follow too; imported here because that module imports this one.
-    # CPU tensors (the Triton interpreter) take e4m3.
-    if device.type != "cuda":
-        return 0
-    from vllm.v1.attention.ops.triton_turboquant_decode import (
-        _use_fp8_e4b15 as use_e4b15,
-    )
-
-    return use_e4b15(device.index or 0)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def nvidia_capability(device: torch.device) -> tuple[int, int]:
-    """``device``'s compute capability if it is an NVIDIA GPU, else (0, 0).
-
-    ROCm reports its GPUs as ``"cuda"`` devices with a capability too
-    (gfx90a 9.0, gfx942 9.4), and 0.20.2 lists TurboQuant among ROCm's
-    backends; but the Gluon stage 1 (PTX inline assembly, mma_v2) and
-    programmatic launches (``griddepcontrol``) exist on NVIDIA GPUs only."""
-    if device.type != "cuda" or not current_platform.is_cuda():
-        return (0, 0)
-    return _capability(device.index or 0)
-
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether the Gluon stage 1 and the merge launch programmatically on
-    ``device`` (PDL, sm_90+): each is placed on the SMs as the kernel before
-    it drains, and waits for it (``griddepcontrol.wait``) before it touches
-    memory. Launched in order, a decode spent ~1.4 us between each two of
-    its kernels; launched so, Qwen3-4B 1 x 32K took 3-7 % less time and
-    16 x 8K 1-2 % (H100; benchmarks/NOTES.md, "Release 25").
-
-    The query rotation lets stage 1 start only as it ends: letting it start
-    at once (``launch_dependents`` on entry) made 512 rows of 640 tokens 2-3 %
-    slower on the MSE presets."""
-    return nvidia_capability(device) >= (9, 0)
-
-
-# The Gluon stage-1 module per CUDA device index, or None where it cannot run.
-_gluon_modules: dict[int, object] = {}
-
-
-def _gluon_module(device: torch.device, enabled: bool = _MODE == "gluon"):
-    """``gluon_turboquant_decode`` where it is enabled and can run on
-    ``device``, else None.
-
-    It needs Gluon (Triton >= 3.5) and sm_89+ (e4m3 conversions, mma_v2).
-    """
-    if not enabled or nvidia_capability(device) < (8, 9):
-        return None
-    index = device.index or 0
-    if index not in _gluon_modules:
-        try:
-            from vllm.v1.attention.ops import gluon_turboquant_decode as module
-        except ImportError:
-            module = None
-        _gluon_modules[index] = module
-    return _gluon_modules[index]
-
-
-# Tests that run the Gluon kernel's body off the GPU set these.
-_gluon_for = _gluon_module
-_gluon_runner = None
-
-
-def words_aligned(kv_cache: torch.Tensor, width: int = 2) -> bool:
-    """Whether every packed field of every slot starts at a multiple of
-    ``width`` bytes, so the cache can be read as ``width``-byte words.
-
-    Field offsets inside a slot are even (see ``TurboQuantConfig``); an odd
-    page, token or head stride (a page padded to an odd size) or an odd base
-    address breaks that, and the kernel must load bytes. Only FP8-key slots
-    are also whole 4-byte words.
-    """
-    return (
-        kv_cache.data_ptr() % width == 0
-        and kv_cache.shape[-1] % width == 0
-        and all(st % width == 0 for st in kv_cache.stride()[:-1])
-    )
-
-
-def num_kv_splits(batch: int, num_kv_heads: int, max_splits: int, sms: int) -> int:
-    """Context splits per (row, KV head) for the Triton stage 1: enough
-    programs to fill the GPU (``PROGRAMS_PER_SM``).
-
-    Depends on shapes and the device only, so a CUDA graph captured for a
-    batch size replays correctly for any sequence lengths.
-    """
-    want = -(-(PROGRAMS_PER_SM * sms) // max(batch * num_kv_heads, 1))
-    return max(1, min(max_splits, want))
-
-
-@functools.cache
-def gluon_num_splits(
-    batch: int,
-    num_kv_heads: int,
-    warps_per_program: int,
-    sms: int,
-    max_splits: int,
-    warps_per_sm: int,
-) -> int:
-    """Context splits per (row, KV head) for the Gluon stage 1.
-
-    Its programs run in waves of ``warps_per_sm`` resident warps per SM (the
-    kernel's ``resident_warps``), and a partly filled wave takes as long as a
-    full one: 16 x 8K on Qwen3-4B at 17 splits with 8 warps per SM is 2,176
-    one-warp programs for 1,056 slots, three waves of 482 tokens where 16
-    splits take two of 512 (205 vs 157 us on an H100). The
-    count is the one with the least waves x (tokens per program + a fixed
-    cost per program, ``GLUON_PROGRAM_COST``); among equals the fewest. One
-    split from ``GLUON_ONE_SPLIT_WAVES`` waves of one program per row.
-    Depends on shapes and the device only, as ``num_kv_splits``.
-    """
-    slots = max(sms * warps_per_sm // warps_per_program, 1)
-    programs = max(batch * num_kv_heads, 1)
-    if programs >= GLUON_ONE_SPLIT_WAVES * slots:
-        return 1
-
-    def cost(splits: int) -> Fraction:
-        waves = -(-(programs * splits) // slots)
-        return waves * (Fraction(1, splits) + GLUON_PROGRAM_COST)
-
-    return min(range(1, max(max_splits, 1) + 1), key=lambda s: (cost(s), s))
-
-
-def _holds(mid_o_buf: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    """Whether the scratch's own dimensions cover ``shape`` with unit-stride
-    partials."""
-    return mid_o_buf.stride(-1) == 1 and all(
-        n >= m for n, m in zip(mid_o_buf.shape, shape)
-    )
-
-
-def scratch_splits(mid_o_buf: torch.Tensor | None, batch: int, heads: int, D: int):
-    """Splits per (row, head) the scratch holds for ``batch`` rows: its own
-    split dimension, or all of a contiguous buffer, whose rows past ``batch``
-    are spare at that batch (the backend's is sized for the largest decode
-    batch, and small batches need the most splits)."""
-    if mid_o_buf is None or mid_o_buf.dtype != torch.float32:
-        return 0
-    if mid_o_buf.is_contiguous():
-        return mid_o_buf.numel() // (batch * heads * (D + 1))
-    return mid_o_buf.shape[2] if _holds(mid_o_buf, (batch, heads, 0, D + 1)) else 0
-
-
-def scratch_view(
-    mid_o_buf: torch.Tensor, batch: int, heads: int, splits: int, D: int
-) -> torch.Tensor:
-    """The scratch as [batch, heads, splits or more, D + 1], given
-    ``scratch_splits(...) >= splits``: the buffer itself where its own
-    dimensions are large enough, else the start of a contiguous one."""
-    own = (batch, heads, splits, D + 1)
-    if _holds(mid_o_buf, own):
-        return mid_o_buf
-    return mid_o_buf.view(-1)[: batch * heads * splits * (D + 1)].view(own)
 
 
 def supports(
@@ -924,196 +702,68 @@ def _tq_decode_split_merge(
     )
 
 
-# data_ptr of the backend's Hadamard matrix per (head_dim, device name).
-_hadamard_ptrs: dict[tuple[int, str], int] = {}
-
-
-def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
-    """Whether ``PiT`` is the TurboQuant backend's own rotation matrix.
-
-    The backend (and 0.20.2's tests) rotate with the cached scaled Sylvester
-    Hadamard matrix of ``turboquant_attn._build_hadamard``; that object, and
-    no other matrix, may be replaced by an in-register transform. Identity,
-    not values: comparing values would sync with the GPU. Looking the matrix
-    up may build it (a copy to the GPU), which a CUDA graph capture forbids:
-    while capturing, only lookups made before count (vLLM's warm-up runs
-    make them); otherwise the GEMM path runs, which is correct, only slower.
-    """
-    if PiT is None or PiT.dim() != 2 or PiT.shape[0] != PiT.shape[1]:
-        return False
-    D = PiT.shape[0]
-    if D < 16 or D & (D - 1):
-        return False
-    capturing = PiT.is_cuda and torch.cuda.is_current_stream_capturing()
-    for name in {str(PiT.device), PiT.device.type}:
-        key = (D, name)
-        if key not in _hadamard_ptrs:
-            if capturing:
-                continue
-            from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-
-            _hadamard_ptrs[key] = _build_hadamard(D, name).data_ptr()
-        if PiT.data_ptr() == _hadamard_ptrs[key]:
-            return True
-    return False
-
-
-def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
-    """``query.float() @ PiT`` for the backend's Hadamard ``PiT``, one launch."""
-    # Imported here: that module imports the store's, which imports 0.20.2's
-    # decode module, which imports this one.
-    from vllm.v1.attention.ops import triton_turboquant_rotate_query
-
-    return triton_turboquant_rotate_query.rotate_query(query, PiT)
-
-
-def decode_attention(
-    query: torch.Tensor,  # [B, Hq, D]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, Hk, slot] uint8
-    block_table: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    PiT: torch.Tensor | None,  # [D, D] fp32 (q_rot = q @ PiT); None for FP8 keys
-    centroids: torch.Tensor,  # [2**mse_bits] fp32
-    scale: float,
-    mse_bits: int,
-    key_packed_size: int,
-    value_quant_bits: int,
-    key_fp8: bool = False,
-    norm_correction: bool = False,
-    mid_o_buf: torch.Tensor | None = None,
-    output_buf: torch.Tensor | None = None,
-    max_num_kv_splits: int = 32,
-    num_splits: int | None = None,
-    geometry: tuple[int, ...] | None = None,
-    out_dtype: torch.dtype | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
-    hadamard_query: bool = False,
-) -> torch.Tensor:
-    """Decode attention over a packed TurboQuant cache: [B, Hq, D].
-
-    ``hadamard_query``: ``PiT`` is the backend's scaled Hadamard matrix
-    (``is_backend_hadamard``), so the query is rotated by ``rotate_query``
-    instead of an fp32 GEMM.
-
-    The output has the query's dtype unless ``out_dtype`` says otherwise.
-    ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
-    caps the Triton stage 1's split count at S (and ``max_num_kv_splits``);
-    the Gluon stage 1 also splits into the rows past B of a contiguous one
-    (``scratch_splits``). Without it, scratch is allocated per call.
-    ``output_buf`` is used when it has the output dtype. ``num_splits``,
-    ``geometry`` (see ``default_geometry``) and ``min_split_tokens`` override the
-    defaults (tests, benchmarks).
-    """
-    B, Hq, D = query.shape
-    Hk = kv_cache.shape[2]
-    group = Hq // Hk
-    device = query.device
-    if kv_cache.dtype != torch.uint8:
-        raise TypeError(
-            f"TurboQuant decode expects the packed uint8 cache, got {kv_cache.dtype}; "
-            "this layer's cache was not allocated for a TurboQuant dtype"
-        )
-    if kv_cache.stride(-1) != 1:
-        raise ValueError(
-            "TurboQuant decode expects slot bytes contiguous in the cache's last "
-            f"dimension, got stride {kv_cache.stride(-1)}; pass a view whose last "
-            "dimension is the slot"
-        )
-    if not supports(D, Hq, Hk, mse_bits, value_quant_bits, key_fp8):
-        raise ValueError(
-            f"split-KV TurboQuant decode serves head_dim {sorted(GEOMETRY)} and "
-            f"up to {MAX_GROUP} query heads per KV head, got head_dim {D}, "
-            f"{Hq} query / {Hk} KV heads; call supports() first and use "
-            "triton_turboquant_decode_attention otherwise"
-        )
-
-    if key_fp8:
-        q_in = query if query.stride(-1) == 1 else query.contiguous()
-    else:
-        q_in = rotate_query(query, PiT) if hadamard_query else query.float() @ PiT
-
-    out_dtype = out_dtype or query.dtype
-    if (
-        output_buf is not None
-        and output_buf.dtype == out_dtype
-        and output_buf.shape[0] >= B
-        and output_buf.stride(-1) == 1
-    ):
-        out = output_buf[:B, :Hq, :D]
-    else:
-        out = torch.empty(B, Hq, D, dtype=out_dtype, device=device)
-
-    # The Gluon stage 1 where it serves this layout and, for MSE keys, its
-    # key table exists (none is built during a CUDA graph capture).
-    gluon = _gluon_for(device) if geometry is None else None
-    table = None
-    if gluon is not None and not (
-        words_aligned(kv_cache)
-        and gluon.serves(
-            D, group, kv_cache.shape[1], key_fp8, mse_bits, value_quant_bits
-        )
-    ):
-        gluon = None
-    if gluon is not None and not key_fp8:
-        table = gluon.key_table(centroids)
-        if table is None:
-            gluon = None
-    held = scratch_splits(mid_o_buf, B, Hq, D)
-    if gluon is not None and num_splits is None:
-        # Split counts beyond the backend's 32 per row come from the spare
-        # rows of its scratch: 1 x 32K on Qwen3-4B fills the SMs at 128.
-        warps = D // gluon.SLICE
-        cap = min(GLUON_MAX_SPLIT_DIMS // D, held or GLUON_MAX_SPLIT_DIMS)
-        if B * Hk * cap * warps < GLUON_MIN_WARPS_PER_SM * _num_sms(device):
-            gluon = None
-            table = None
-        else:
-            resident = gluon.resident_warps()
-            num_splits = gluon_num_splits(B, Hk, warps, _num_sms(device), cap, resident)
-    if num_splits is None:
-        cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
-        num_splits = num_kv_splits(B, Hk, cap, _num_sms(device))
-    if num_splits > 1:
-        if held >= num_splits:
-            mid = scratch_view(mid_o_buf, B, Hq, num_splits, D)
-        else:
-            mid = torch.empty(
-                B, Hq, num_splits, D + 1, dtype=torch.float32, device=device
-            )
-    else:
-        mid = out  # not read when there is one split
-
-    if gluon is not None:
-        gluon.stage1(
-            q_in,
-            kv_cache,
-            block_table,
-            seq_lens,
-            table,
-            out,
-            mid,
-            scale * _LOG2E,
-            num_splits,
-            min_split_tokens,
-            group,
-            key_packed_size,
-            mse_bits,
-            key_fp8,
-            norm_correction,
-            value_quant_bits,
-            key_tails=False if key_fp8 else gluon.key_tails(centroids),
-            runner=_gluon_runner,
-        )
-        return _merge(mid, out, num_splits, D)
-
-    block_n, num_warps, key_chunk, maxnreg = tuple(
-        geometry or default_geometry(D, key_fp8)
+def stage1_constexprs(
+    layout: SlotLayout,
+    page: int,
+    group: int,
+    geometry: tuple[int, ...],
+    split: bool,
+    min_split_tokens: int,
+    norm_correction: bool,
+    fp8_e4b15: int,
+    word16: bool,
+) -> dict[str, object]:
+    """The compile-time arguments of ``_tq_decode_split_stage1`` for a slot
+    layout, a page size, a GQA group and a launch geometry (see
+    ``default_geometry``)."""
+    D = layout.head_dim
+    key_chunk = geometry[2]
+    return dict(
+        SPLIT=split,
+        MIN_TOKENS=min_split_tokens,
+        HEAD_DIM=D,
+        PAGE=page,
+        GROUP=group,
+        BLOCK_N=geometry[0],
+        KEY_FP8=layout.key_fp8,
+        KEY_CHUNK=max(min(D, key_chunk), D // 8),
+        MSE_BITS=layout.key_bits,
+        MSE_WORDS=layout.key_index_bytes // 2,
+        KPS_WORDS=layout.key_bytes // 2,
+        VQB=layout.value_bits,
+        VAL_WORDS=layout.value_index_bytes // 2,
+        NORM_CORRECTION=bool(norm_correction) and not layout.key_fp8,
+        FP8_E4B15=fp8_e4b15 if layout.key_fp8 else 0,
+        WORD16=word16,
     )
+
+
+def stage1(
+    q_in: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    centroids: torch.Tensor,
+    out: torch.Tensor,
+    mid: torch.Tensor,
+    qk_scale: float,
+    num_splits: int,
+    min_split_tokens: int,
+    group: int,
+    layout: SlotLayout,
+    norm_correction: bool,
+    geometry: tuple[int, ...] | None = None,
+) -> None:
+    """Launch stage 1: partial results of ``num_splits`` context splits per
+    (row, KV head) into ``mid``, or with one split the output into ``out``."""
+    B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
+    device = q_in.device
+    geometry = tuple(geometry or default_geometry(D, layout.key_fp8))
+    num_warps, maxnreg = geometry[1], geometry[3]
     # The register cap is a compile option of the CUDA backend only.
     launch_opts = {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
     word16 = words_aligned(kv_cache)
     unit = 2 if word16 else 1
-    mse_bytes = 0 if key_fp8 else D * mse_bits // 8
     _tq_decode_split_stage1[(Hk, B, num_splits)](
         q_in,
         kv_cache,
@@ -1123,62 +773,31 @@ def decode_attention(
         centroids,
         out,
         mid,
-        scale * _LOG2E,
+        qk_scale,
         num_splits,
         *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
-        SPLIT=num_splits > 1,
-        MIN_TOKENS=min_split_tokens,
-        HEAD_DIM=D,
-        PAGE=kv_cache.shape[1],
-        GROUP=group,
-        BLOCK_N=block_n,
-        KEY_FP8=bool(key_fp8),
-        KEY_CHUNK=max(min(D, key_chunk), D // 8),
-        MSE_BITS=0 if key_fp8 else mse_bits,
-        MSE_WORDS=mse_bytes // 2,
-        KPS_WORDS=key_packed_size // 2,
-        VQB=value_quant_bits,
-        VAL_WORDS=D * value_quant_bits // 16,
-        NORM_CORRECTION=bool(norm_correction) and not key_fp8,
-        FP8_E4B15=_use_fp8_e4b15(device) if key_fp8 else 0,
-        WORD16=word16,
+        **stage1_constexprs(
+            layout,
+            kv_cache.shape[1],
+            group,
+            geometry,
+            num_splits > 1,
+            min_split_tokens,
+            norm_correction,
+            use_fp8_e4b15(device) if layout.key_fp8 else 0,
+            word16,
+        ),
         num_warps=num_warps,
         num_stages=1,
         **launch_opts,
     )
-    return _merge(mid, out, num_splits, D)
 
 
-def stage1_strides(
-    q_in: torch.Tensor,
-    kv_cache: torch.Tensor,
-    unit: int,
-    block_table: torch.Tensor,
-    out: torch.Tensor,
-    mid: torch.Tensor,
-) -> tuple[int, ...]:
-    """The strides both stage 1 kernels take, in their order: query, cache (in
-    load units of ``unit`` bytes), block table, output, scratch (``mid`` is
-    ``out`` when there is one split; its split stride is then unused)."""
-    st = kv_cache.stride()
-    return (
-        q_in.stride(0),
-        q_in.stride(1),
-        st[0] // unit,
-        st[1] // unit,
-        st[2] // unit,
-        block_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        mid.stride(0),
-        mid.stride(1),
-        mid.stride(2) if mid.dim() == 4 else 0,
-    )
-
-
-def _merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int, D: int):
+def merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """Combine the splits' partial results in ``mid`` into ``out`` (with
+    one split stage 1 wrote ``out`` itself)."""
     if num_splits > 1:
-        B, Hq = out.shape[0], out.shape[1]
+        B, Hq, D = out.shape[0], out.shape[1], out.shape[2]
         pdl = programmatic_launch(out.device)
         _tq_decode_split_merge[(Hq, B)](
             mid,
@@ -1196,56 +815,3 @@ def _merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int, D: int):
             **({"launch_pdl": True} if pdl else {}),
         )
     return out
-
-
-def maybe_decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    Pi: torch.Tensor,
-    centroids: torch.Tensor,
-    scale: float,
-    mse_bits: int,
-    key_packed_size: int,
-    value_quant_bits: int,
-    key_fp8: bool = False,
-    norm_correction: bool = False,
-    PiT: torch.Tensor | None = None,
-    mid_o_buf: torch.Tensor | None = None,
-    max_num_kv_splits: int = 32,
-    output_buf: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """``triton_turboquant_decode_attention``'s call, served here.
-
-    None when the kernel is switched off (``HYBRIDKV_TQ_DECODE=legacy``) or
-    does not serve the layout; the caller then runs 0.20.2's kernel. The
-    backend's decode rows (plain and speculative verify rows) and its short
-    continuation chunks all arrive through that entry point. Its
-    ``output_buf`` is written in place where ``decode_attention`` can.
-    """
-    B, Hq, D = query.shape
-    if not ENABLED or not supports(
-        D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
-    ):
-        return None
-    if not key_fp8 and PiT is None:
-        PiT = Pi.T.contiguous()
-    return decode_attention(
-        query,
-        kv_cache,
-        block_table,
-        seq_lens,
-        None if key_fp8 else PiT,
-        centroids,
-        scale,
-        mse_bits,
-        key_packed_size,
-        value_quant_bits,
-        key_fp8=key_fp8,
-        norm_correction=norm_correction,
-        mid_o_buf=mid_o_buf,
-        output_buf=output_buf,
-        max_num_kv_splits=max_num_kv_splits,
-        hadamard_query=not key_fp8 and is_backend_hadamard(PiT),
-    )

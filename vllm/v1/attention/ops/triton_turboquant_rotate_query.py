@@ -8,7 +8,7 @@ copy and an fp32 GEMM on CUDA cores (~8 µs per layer on an H100 for a
 64-row batch of a Qwen3-4B shape, 0.3 ms per step over 36 layers). The
 backend's ``PiT`` is the scaled Sylvester Hadamard matrix, so the rotation is
 the store kernel's in-register Walsh-Hadamard transform
-(``triton_turboquant_store_fused._hadamard_rows``), reading the query in its
+(``turboquant_hadamard._hadamard_rows``), reading the query in its
 own dtype: one small launch, no copy. It sums in another order than cuBLAS,
 so the result agrees to fp32 rounding.
 """
@@ -16,7 +16,7 @@ so the result agrees to fp32 rounding.
 import torch
 
 from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops.triton_turboquant_store_fused import _hadamard_rows
+from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
 
 
 @triton.jit

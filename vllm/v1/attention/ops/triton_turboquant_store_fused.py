@@ -30,8 +30,6 @@ FP8 keys (k8v4) were one kernel already, but 0.20.2 copies the strided
 and value routine reading the views in place (bytes equal to 0.20.2's).
 """
 
-import math
-
 import torch
 
 from vllm.triton_utils import tl, triton
@@ -40,21 +38,8 @@ from vllm.v1.attention.ops.triton_turboquant_store import (
     _store_quantized_value,
     triton_turboquant_store,
 )
-
-
-@triton.jit
-def _hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """Unnormalized Sylvester Hadamard transform of a [D] vector.
-
-    Each stage pairs neighbours (the lowest index bit), writes sums to the
-    first half and differences to the second: the index bits rotate right
-    by one, so after log2(D) stages every bit was paired once and the order
-    is natural again.
-    """
-    for _ in tl.static_range(LOG2_D):
-        a, b = tl.split(tl.reshape(x, [D // 2, 2]))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), [D])
-    return x
+from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
+from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
 
 
 @triton.jit
@@ -242,6 +227,7 @@ def turboquant_store_hadamard(
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
+    layout = slot_layout(D, False, mse_bits, value_quant_bits)
     _tq_store_mse_hadamard[(N * H,)](
         key,
         value,
@@ -261,11 +247,11 @@ def turboquant_store_hadamard(
         H=H,
         BLOCK_SIZE=kv_cache.shape[1],
         MSE_BITS=mse_bits,
-        MSE_BYTES=math.ceil(D * mse_bits / 8),
+        MSE_BYTES=layout.key_index_bytes,
         KPS=key_packed_size,
         VQB=value_quant_bits,
-        VAL_DATA_BYTES=math.ceil(D * value_quant_bits / 8),
-        BLOCK_VAL=triton.next_power_of_2(math.ceil(D * value_quant_bits / 8)),
+        VAL_DATA_BYTES=layout.value_index_bytes,
+        BLOCK_VAL=triton.next_power_of_2(layout.value_index_bytes),
         BLOCK_GRP=D // 8,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
@@ -291,7 +277,7 @@ def turboquant_store(
     N, H, D = key.shape
     pow2 = D >= 16 and not D & (D - 1)
     if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
-        val_bytes = math.ceil(D * value_quant_bits / 8)
+        val_bytes = slot_layout(D, True, 0, value_quant_bits).value_index_bytes
         _tq_store_fp8_strided[(N * H,)](
             key,
             value,

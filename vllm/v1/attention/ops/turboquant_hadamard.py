@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The TurboQuant backend's rotation as a transform in registers.
+
+The backend rotates MSE keys (and decode queries) by the Sylvester Hadamard
+matrix scaled by ``1/sqrt(D)`` (``turboquant_attn._build_hadamard``). A
+kernel that knows it is that matrix applies ``log2(D)`` add/subtract stages
+instead of reading a ``D x D`` matrix: ``_hadamard_rows``. Whether a given
+matrix is that one is ``is_backend_hadamard``'s question.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+
+@triton.jit
+def _hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Unnormalized Sylvester Hadamard transform of a [D] vector.
+
+    Each stage pairs neighbours (the lowest index bit), writes sums to the
+    first half and differences to the second: the index bits rotate right
+    by one, so after log2(D) stages every bit was paired once and the order
+    is natural again.
+    """
+    for _ in tl.static_range(LOG2_D):
+        a, b = tl.split(tl.reshape(x, [D // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), [D])
+    return x
+
+
+# data_ptr of the backend's Hadamard matrix per (head_dim, device name).
+_hadamard_ptrs: dict[tuple[int, str], int] = {}
+
+
+def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
+    """Whether ``PiT`` is the TurboQuant backend's own rotation matrix.
+
+    The backend rotates with the cached scaled Sylvester Hadamard matrix of
+    ``turboquant_attn._build_hadamard``; that object, and no other matrix,
+    may be replaced by an in-register transform. Identity,
+    not values: comparing values would sync with the GPU. Looking the matrix
+    up may build it (a copy to the GPU), which a CUDA graph capture forbids:
+    while capturing, only lookups made before count (vLLM's warm-up runs
+    make them); otherwise the GEMM path runs, which is correct, only slower.
+    """
+    if PiT is None or PiT.dim() != 2 or PiT.shape[0] != PiT.shape[1]:
+        return False
+    D = PiT.shape[0]
+    if D < 16 or D & (D - 1):
+        return False
+    capturing = PiT.is_cuda and torch.cuda.is_current_stream_capturing()
+    for name in {str(PiT.device), PiT.device.type}:
+        key = (D, name)
+        if key not in _hadamard_ptrs:
+            if capturing:
+                continue
+            from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+
+            _hadamard_ptrs[key] = _build_hadamard(D, name).data_ptr()
+        if PiT.data_ptr() == _hadamard_ptrs[key]:
+            return True
+    return False
