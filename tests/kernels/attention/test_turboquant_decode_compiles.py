@@ -76,7 +76,7 @@ class _CompileKeys:
 
 def _launch_keys(monkeypatch, preset, gluon, batches):
     """Every compile key of the decode's kernels over ``batches``."""
-    monkeypatch.setattr(turboquant_device, "_sm_counts", {0: SMS})
+    monkeypatch.setattr(turboquant_device, "_sm_counts", {("cpu", 0): SMS})
     stage1 = _CompileKeys(
         gluon_decode._stage1 if gluon else splitkv._tq_decode_split_stage1
     )
@@ -166,7 +166,7 @@ def test_decode_compiles_once_for_every_batch_size_gpu(preset):
         ]
         return sum(len(c) for c in caches)
 
-    def decode(batch):
+    def step(batch):
         return decode(
             torch.randn(batch, HQ, D, device=device).to(torch.bfloat16),
             cache,
@@ -179,11 +179,11 @@ def test_decode_compiles_once_for_every_batch_size_gpu(preset):
             output_buf=out,
         )
 
-    decode(1)  # the split kernels, compiled here or by earlier tests
-    decode(96)
+    step(1)  # the split kernels, compiled here or by earlier tests
+    step(96)
     before = compiled()
     for batch in range(2, 96):
-        decode(batch)
+        step(batch)
     torch.accelerator.synchronize()
     assert compiled() == before, (
         f"batches 2-95 compiled {compiled() - before} more decode kernels"

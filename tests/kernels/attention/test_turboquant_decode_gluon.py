@@ -1041,7 +1041,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
         lambda *a, **k: launched.append(k["key_tails"]) or real(*a, **k),
     )
 
-    def decode():
+    def decoded():
         return (
             decode(
                 query,
@@ -1059,11 +1059,11 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
             .cpu()
         )
 
-    got = decode()
+    got = decoded()
     assert launched, "decode_attention did not take the Gluon stage 1"
     assert launched[0] == (levels == "solver" and not cfg.key_fp8)
     monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "triton")
-    triton_out = decode()
+    triton_out = decoded()
     ref = reference_attention(
         query, cache, table, seq_lens, cfg, centroids, pit, D**-0.5
     )

@@ -8,20 +8,22 @@ import torch
 
 from vllm.platforms import current_platform
 
-_sm_counts: dict[int, int] = {}
+# By device type and index: a CPU tensor's device has no index, like the
+# current CUDA device's.
+_sm_counts: dict[tuple[str, int], int] = {}
 
 
 def num_sms(device: torch.device) -> int:
     """``device``'s SM count (the split policy's unit of parallelism)."""
-    index = device.index or 0
-    if index not in _sm_counts:
+    key = (device.type, device.index or 0)
+    if key not in _sm_counts:
         if device.type == "cuda":
-            props = torch.cuda.get_device_properties(index)
-            _sm_counts[index] = props.multi_processor_count
+            props = torch.cuda.get_device_properties(key[1])
+            _sm_counts[key] = props.multi_processor_count
         else:
             # CPU tensors: any fixed figure will do.
-            _sm_counts[index] = 4
-    return _sm_counts[index]
+            _sm_counts[key] = 4
+    return _sm_counts[key]
 
 
 def use_fp8_e4b15(device: torch.device) -> int:
