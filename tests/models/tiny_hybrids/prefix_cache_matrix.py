@@ -685,7 +685,9 @@ def ctx_positions(cold: dict[str, Any], requests: list[Request]) -> int:
 
 def verdict(cell: Cell, row: dict[str, Any]) -> str:
     if row.get("boot") != "ok":
-        return "BOOT FAIL" if row.get("boot") != "NOT RUN" else "NOT RUN"
+        return {"NOT RUN": "NOT RUN", "timeout": "TIMEOUT"}.get(
+            row["boot"], "BOOT FAIL"
+        )
     if row.get("cold_error"):
         return "NO COLD REF"
     hit, warm = row["hit_vs_cold"], row["warm_vs_cold"]
@@ -733,7 +735,10 @@ def cell_row(
         }
     if "crash" in rec:
         not_run = rec["crash"].startswith("NOT RUN")
-        row["boot"] = "NOT RUN" if not_run else "failed"
+        # An engine stopped by its time limit is not a boot failure: it may
+        # have booted and been serving (the KV-tokens line says so).
+        timeout = rec["crash"].startswith("TIMEOUT")
+        row["boot"] = "NOT RUN" if not_run else "timeout" if timeout else "failed"
         row["root_cause"] = rec.get("root_cause", rec["crash"])
         row["verdict"] = verdict(cell, row)
         return row

@@ -357,6 +357,9 @@ def test_boot_failures_no_hits_and_not_run():
     assert row["verdict"] == "NOT RUN"
     skipped = {"rc": "skipped", "wall": 0, "crash": "NOT RUN (deadline)"}
     assert pcm.cell_row(cell, {cell.name: skipped}, PHASES)["verdict"] == "NOT RUN"
+    late = {"rc": "timeout", "wall": 207.6, "crash": "TIMEOUT after 207s"}
+    row = pcm.cell_row(cell, {**_records(cell, _rec()), cell.name: late}, PHASES)
+    assert row["verdict"] == "TIMEOUT" and row["boot"] == "timeout"
     no_cold = {cell.name: _rec(), cell.cold().name: crash}
     assert pcm.cell_row(cell, no_cold, PHASES)["verdict"] == "NO COLD REF"
     cell = pcm.Cell("qwen3_next", "auto", "none", "align")
