@@ -50,8 +50,8 @@ USAGE = "vllm kv-capacity MODEL_DIR --max-model-len N [options]"
 # A request field as the planner's texts name it; ``x`` is a reST literal.
 FIELD_IN_TEXT = re.compile(r"(?<!`)`([a-z][a-z0-9_]*)`(?!`)")
 # vLLM's MambaCacheMode (vllm/config/cache.py), written out: importing it
-# would load the engine's configs, which --help must not. A test holds the
-# two equal, and the planner checks a mode against vLLM's own.
+# would load the engine's configs, which --help must not. The planner checks
+# a mode against vLLM's own list, so a drift is refused, not planned.
 MAMBA_CACHE_MODES = ("all", "align", "none")
 
 

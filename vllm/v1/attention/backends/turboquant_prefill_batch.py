@@ -261,6 +261,9 @@ def warm_continuation_kernels(
     """
     if getattr(layer, "_tq_continuation_warm", False) or kv_cache.numel() == 0:
         return
+    # Kernels compile for GPUs; a cache elsewhere has nothing to warm.
+    if not kv_cache.is_cuda:
+        return
     if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     row = torch.zeros_like(block_table[:1])
