@@ -31,6 +31,11 @@ is taken on one GPU; their rows merge into one result.
 share of the memory each) and runs each repeat on all of them in turn, so a
 drift over minutes meets every configuration alike; it adds a table of each
 repeat's figure over auto's same repeat.
+A KV dtype written ``KV+pc`` or ``KV+nopc`` runs with prefix caching on or
+off (``--kv auto+nopc auto+pc turboquant_4bit_nc+nopc turboquant_4bit_nc+pc
+--scenarios shared-prefix``: chat or agent requests that resend one long
+prefix); each ``+pc`` row gets its ratio over the ``+nopc`` row of the same
+KV dtype, in a table of its own (issue 47).
 Results: e2e-<time>.json and .md in ``--out``, else $OUT, else
 benchmarks/runs/ (git-ignored), with
 device and versions; ``--keep-logs`` also writes each configuration's engine
@@ -63,6 +68,11 @@ PRESETS = [
     "turboquant_3bit_nc",
 ]
 KV_DTYPES = ["auto", "fp8", *PRESETS]
+# A KV dtype with one of these suffixes runs with prefix caching on or off
+# (``auto+pc``, ``turboquant_4bit_nc+nopc``); without one, with the engine's
+# default (on for dense models, off for hybrids in vLLM 0.20.2).
+PREFIX_CACHING = {"+pc": True, "+nopc": False}
+KV_CONFIGS = [*KV_DTYPES, *(kv + s for kv in KV_DTYPES for s in PREFIX_CACHING)]
 MODELS = {
     # label: (full-size record in tests/models/tiny_hybrids/full_size, engine extras)
     "Qwen3-4B": ("Qwen3-4B", {}),
@@ -79,6 +89,8 @@ SCENARIOS = {
     "long-ctx-1": (1, 32768, 256),
     "long-ctx-16": (16, 32768, 256),
     "long-ctx-64": (64, 32768, 256),
+    # 8,192 tokens every prompt shares (SHARED_PREFIX), then 512 of its own.
+    "shared-prefix": (32, 8704, 128),
     # decode-heavy's prompts with one output token: its TTFT alone, one prefill
     # step of 32 x 64 tokens, cheap enough to repeat dozens of times. Single
     # steps spread 24-145 % between repeats (max - min over median, H100), so
@@ -86,6 +98,11 @@ SCENARIOS = {
     # auto for the same code.
     "first-token": (32, 64, 1),
 }
+# name: tokens every prompt of the scenario shares at its start (a system
+# prompt and earlier turns of a chat or an agent). Drawn anew for each repeat,
+# so a repeat starts cold: its first prompts compute the prefix and, with
+# prefix caching on, the others read it from the cache.
+SHARED_PREFIX = {"shared-prefix": 8192}
 QUICK = dict(
     models=["Qwen3-4B"],
     kv=["auto", "turboquant_k8v4", "turboquant_4bit_nc"],
@@ -246,6 +263,33 @@ def gpu_state() -> dict:
         return dict(gpu_state_error=f"{type(e).__name__}: {e}")
 
 
+def kv_config(label: str) -> tuple[str, bool | None]:
+    """(KV dtype, prefix caching on / off / the engine's default) of a
+    configuration label such as ``turboquant_4bit_nc+pc``."""
+    for suffix, on in PREFIX_CACHING.items():
+        if label.endswith(suffix):
+            return label.removesuffix(suffix), on
+    return label, None
+
+
+def prompt_maker(rng, vocab: int):
+    """``prompts(n, length, shared=0)``: ``n`` prompts of random token ids,
+    the first ``shared`` of them the same in every prompt of the call."""
+    from vllm.inputs import TokensPrompt
+
+    def tokens(length):
+        return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+    def prompts(n, length, shared=0):
+        prefix = tokens(shared)
+        return [
+            TokensPrompt(prompt_token_ids=prefix + tokens(length - shared))
+            for _ in range(n)
+        ]
+
+    return prompts
+
+
 @contextlib.contextmanager
 def engine(spec: dict):
     """The configuration's engine, warmed up, and a prompt maker of random
@@ -253,7 +297,6 @@ def engine(spec: dict):
     import random
 
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     sys.path.insert(0, str(REPO))
     from tests.models.tiny_hybrids.shapes import load_full_size, write_full_size_config
@@ -268,13 +311,16 @@ def engine(spec: dict):
     max_len = max(i + o for _, i, o in scenarios.values()) + 16
     # No more sequences than a scenario submits: fewer CUDA graphs to capture.
     max_seqs = max(16, max(n for n, _, _ in scenarios.values()))
+    kv, prefix_caching = kv_config(spec["kv"])
+    if prefix_caching is not None:
+        extras = {**extras, "enable_prefix_caching": prefix_caching}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_full_size_config(record, tmp)
         llm = LLM(
             model=str(model_dir),
             load_format="dummy",
             skip_tokenizer_init=True,
-            kv_cache_dtype=spec["kv"],
+            kv_cache_dtype=kv,
             max_model_len=max_len,
             max_num_seqs=min(max_seqs, 512),
             gpu_memory_utilization=spec["gpu_memory_utilization"],
@@ -282,17 +328,7 @@ def engine(spec: dict):
             seed=0,
             **extras,
         )
-        rng = random.Random(0)
-
-        def prompts(n, length):
-            return [
-                TokensPrompt(
-                    prompt_token_ids=[
-                        rng.randrange(100, vocab - 100) for _ in range(length)
-                    ]
-                )
-                for _ in range(n)
-            ]
+        prompts = prompt_maker(random.Random(0), vocab)
 
         warm = SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False)
         llm.generate(prompts(2, 64), warm, use_tqdm=False)
@@ -338,6 +374,7 @@ def run_child(spec: dict) -> dict:
     with engine(spec) as (llm, prompts):
         for name in spec["scenarios"]:
             n, in_len, out_len = SCENARIOS[name]
+            shared = SHARED_PREFIX.get(name, 0)
             params = scenario_params(out_len)
             if spec.get("profile"):
                 params.max_tokens = min(out_len, PROFILE_STEPS)
@@ -346,10 +383,12 @@ def run_child(spec: dict) -> dict:
                 # blocks recomputes only its last token), hiding the prefill.
                 results[name] = profile_scenario(
                     llm,
-                    prompts(n, in_len),
-                    prompts(n, in_len),
+                    prompts(n, in_len, shared),
+                    prompts(n, in_len, shared),
                     params,
-                    prompts(n, in_len) if os.environ.get(HOST_PROFILE_ENV) else None,
+                    prompts(n, in_len, shared)
+                    if os.environ.get(HOST_PROFILE_ENV)
+                    else None,
                 )
                 print(
                     _PROFILE + json.dumps(dict(scenario=name, **results[name][0])),
@@ -357,7 +396,7 @@ def run_child(spec: dict) -> dict:
                 )
                 continue
             reps = [
-                timed_repeat(llm, prompts(n, in_len), params)
+                timed_repeat(llm, prompts(n, in_len, shared), params)
                 for _ in range(spec["repeats"])
             ]
             results[name] = reps
@@ -380,7 +419,8 @@ def serve_child(spec: dict) -> None:
                 break
             name = json.loads(line)["scenario"]
             n, in_len, out_len = SCENARIOS[name]
-            rep = timed_repeat(llm, prompts(n, in_len), scenario_params(out_len))
+            batch = prompts(n, in_len, SHARED_PREFIX.get(name, 0))
+            rep = timed_repeat(llm, batch, scenario_params(out_len))
             _reply(scenario=name, repeat=rep)
 
 
@@ -696,10 +736,24 @@ def add_ratios(rows):
     def same_gpu(r):
         return r["model"], r.get("gpu")
 
-    base = {same_gpu(r): r for r in rows if r["kv"] == "auto" and "scenarios" in r}
-    for r in rows:
-        b = base.get(same_gpu(r))
-        if not b or "scenarios" not in r:
+    done = [r for r in rows if "scenarios" in r]
+    by_label = {(*same_gpu(r), r["kv"]): r for r in done}
+    for r in done:
+        kv, on = kv_config(r["kv"])
+        if on:
+            off = by_label.get((*same_gpu(r), kv + "+nopc"))
+            for name, s in r["scenarios"].items():
+                bs = (off or {}).get("scenarios", {}).get(name, {})
+                for key in ("output_tok_s", "ttft_median_s", "prefill_median_s"):
+                    if s.get(key) and bs.get(key):
+                        s[key + "_vs_pc_off"] = s[key] / bs[key]
+    for r in done:
+        # auto with the same prefix caching, else plain auto.
+        suffix = r["kv"].removeprefix(kv_config(r["kv"])[0])
+        b = by_label.get((*same_gpu(r), "auto" + suffix)) or by_label.get(
+            (*same_gpu(r), "auto")
+        )
+        if not b:
             continue
         if b.get("kv_tokens") and r.get("kv_tokens"):
             r["kv_tokens_ratio"] = r["kv_tokens"] / b["kv_tokens"]
@@ -796,6 +850,33 @@ def markdown(meta, rows):
                 f"{fmt(s.get('prefill_median_s'), ',.1f', 1e3)} "
                 f"({fmt(s.get('prefill_median_s_vs_auto'))}x) | "
                 f"{tpot} ({fmt(s.get('tpot_median_s_vs_auto'))}x) |"
+            )
+    cached = [
+        (r, name, s)
+        for r in rows
+        for name, s in r.get("scenarios", {}).items()
+        if s.get("output_tok_s_vs_pc_off")
+    ]
+    if cached:
+        out += [
+            "",
+            "## Prefix caching on over off",
+            "",
+            (
+                "Each `+pc` configuration over the same KV dtype's `+nopc` on the "
+                "same GPU (`shared-prefix`: 32 prompts that share their first "
+                f"{SHARED_PREFIX['shared-prefix']:,} tokens)."
+            ),
+            "",
+            "| model | KV | scenario | out tok/s | TTFT median | prefill median |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r, name, s in cached:
+            out.append(
+                f"| {r['model']} | {kv_config(r['kv'])[0]} | {name} | "
+                f"{fmt(s.get('output_tok_s_vs_pc_off'))}x | "
+                f"{fmt(s.get('ttft_median_s_vs_pc_off'))}x | "
+                f"{fmt(s.get('prefill_median_s_vs_pc_off'))}x |"
             )
     paired = [r for r in rows if r.get("interleaved") and r["kv"] != "auto"]
     if any("scenarios" in r for r in paired):
@@ -903,8 +984,9 @@ def profile_markdown(meta, profiles) -> str:
 
 
 def with_auto(kvs: list[str]) -> list[str]:
-    """``kvs`` with ``auto`` first where it is missing: every ratio needs it."""
-    return kvs if "auto" in kvs else ["auto", *kvs]
+    """``kvs`` with ``auto`` first where no ``auto`` (with or without a prefix
+    caching suffix) is there: every ratio needs one."""
+    return kvs if any(kv_config(kv)[0] == "auto" for kv in kvs) else ["auto", *kvs]
 
 
 def parse_lanes(specs: list[str], kvs: list[str]) -> list[dict]:
@@ -927,7 +1009,7 @@ def parse_lanes(specs: list[str], kvs: list[str]) -> list[dict]:
         lane_kvs = [k for k in kv.split(",") if k] or list(kvs)
         for what, got, known in (
             ("scenario", names, SCENARIOS),
-            ("KV dtype", lane_kvs, KV_DTYPES),
+            ("KV dtype", lane_kvs, KV_CONFIGS),
         ):
             bad = [n for n in got if n not in known]
             if bad:
@@ -1014,7 +1096,15 @@ def main():
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help=f"subset: {QUICK}")
     ap.add_argument("--models", nargs="+", choices=list(MODELS))
-    ap.add_argument("--kv", nargs="+", choices=KV_DTYPES)
+    ap.add_argument(
+        "--kv",
+        nargs="+",
+        choices=KV_CONFIGS,
+        metavar="KV",
+        help="KV dtypes (auto, fp8, the TurboQuant presets), each optionally "
+        "with +pc or +nopc: prefix caching on or off instead of the engine's "
+        "default",
+    )
     ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS))
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)

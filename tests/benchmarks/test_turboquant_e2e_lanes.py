@@ -110,7 +110,7 @@ def test_lanes_run_at_once_and_take_each_ratio_on_their_own_gpu(
         if r["kv"] != "auto"
         for s in r["scenarios"].values()
     ]
-    assert len(ratios) == 2 * 1 + 2 * 4 + 3 * 5 + 5 * 10  # non-auto x scenarios
+    assert len(ratios) == 2 * 1 + 2 * 4 + 3 * 6 + 5 * 11  # non-auto x scenarios
     assert ratios == pytest.approx([1.1] * len(ratios))
     md = capsys.readouterr().out
     assert "ratios are to the `auto` on the same GPU" in md
