@@ -30,6 +30,7 @@ benchmarks/runs/ (git-ignored; release summaries go to benchmarks/releases/).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -40,6 +41,7 @@ import platform
 import statistics
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -679,19 +681,21 @@ def bench_sweep(cases, presets, timer, bw, rows, log):
             )
 
 
+@contextlib.contextmanager
 def gluon_register_cap(maxnreg: int):
-    """Launch the Gluon stage 1 with a register cap (0: its own) from now on,
-    in place of its launcher."""
+    """The Gluon stage 1 launched with a register cap inside the block (0:
+    with its own, ``MAX_REGISTERS``)."""
     from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
 
-    if not hasattr(gluon, "_own_launch"):
-        gluon._own_launch = gluon._launch
+    if not maxnreg:
+        yield
+        return
 
     def launch(kernel, grid, args, constexprs):
-        opts = {"maxnreg": maxnreg} if maxnreg else {}
-        kernel[grid](*args, **constexprs, num_warps=constexprs["W"], **opts)
+        kernel[grid](*args, **constexprs, num_warps=constexprs["W"], maxnreg=maxnreg)
 
-    gluon._launch = launch if maxnreg else gluon._own_launch
+    with unittest.mock.patch.object(gluon, "_launch", launch):
+        yield
 
 
 def bench_splits(cases, presets, timer, bw, rows, log):
@@ -700,45 +704,44 @@ def bench_splits(cases, presets, timer, bw, rows, log):
     the Gluon stage 1 only."""
     for c in filled_caches(cases, presets, bw):
         for splits, maxnreg in SPLIT_POINTS:
-            gluon_register_cap(maxnreg)
-            mid = backend_scratch(c.B, c.hq, c.D)
-            run = splitkv_call(
-                c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,
-                c.D**-0.5, mid_o_buf=mid, max_num_kv_splits=mid.shape[2],
-                num_splits=splits or None,
-            )  # fmt: skip
-            try:
-                stage1 = stage1_of(run)
-                if maxnreg and stage1 != "gluon":
-                    continue
-                err = reference_error(
-                    run().float(), c.q, c.cache, c.bt, c.seq_lens, c.cfg,
-                    c.centroids, c.pit, [0],
+            with gluon_register_cap(maxnreg):
+                mid = backend_scratch(c.B, c.hq, c.D)
+                run = splitkv_call(
+                    c.q, c.cache, c.bt, c.seq_lens, c.cfg, c.centroids, c.pit,
+                    c.D**-0.5, mid_o_buf=mid, max_num_kv_splits=mid.shape[2],
+                    num_splits=splits or None,
                 )  # fmt: skip
-                us = timer(run)
-            except Exception as e:  # noqa: BLE001 - keep the other points
+                try:
+                    stage1 = stage1_of(run)
+                    if maxnreg and stage1 != "gluon":
+                        continue
+                    err = reference_error(
+                        run().float(), c.q, c.cache, c.bt, c.seq_lens, c.cfg,
+                        c.centroids, c.pit, [0],
+                    )  # fmt: skip
+                    us = timer(run)
+                except Exception as e:  # noqa: BLE001 - keep the other points
+                    log(
+                        f"  splits {c.label} {c.preset} {splits}: "
+                        f"{type(e).__name__}: {str(e)[:100]}"
+                    )
+                    continue
+                rows.append(
+                    c.row(
+                        "splits",
+                        splits=splits or "default",
+                        maxnreg=maxnreg or None,
+                        stage1=stage1,
+                        new_us=us,
+                        new_err=err,
+                    )
+                )
                 log(
-                    f"  splits {c.label} {c.preset} {splits}: "
-                    f"{type(e).__name__}: {str(e)[:100]}"
+                    f"  splits {c.label} {c.B}x{c.ctx} {c.preset:20s} "
+                    f"{splits or 'default'!s:>7s} {stage1:6s} "
+                    f"maxnreg {maxnreg or '-'!s:>3s}: {us:8.1f} us  "
+                    f"{c.nbytes / (us * 1e-6) / bw:5.1%}  f64 err {fmt_err(err)}"
                 )
-                continue
-            rows.append(
-                c.row(
-                    "splits",
-                    splits=splits or "default",
-                    maxnreg=maxnreg or None,
-                    stage1=stage1,
-                    new_us=us,
-                    new_err=err,
-                )
-            )
-            log(
-                f"  splits {c.label} {c.B}x{c.ctx} {c.preset:20s} "
-                f"{splits or 'default'!s:>7s} {stage1:6s} "
-                f"maxnreg {maxnreg or '-'!s:>3s}: {us:8.1f} us  "
-                f"{c.nbytes / (us * 1e-6) / bw:5.1%}  f64 err {fmt_err(err)}"
-            )
-    gluon_register_cap(0)
 
 
 def bench_store(shapes, presets, timer, bw, rows, log):

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -15,3 +16,11 @@ def import_benchmark(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO))
+
+
+def readme_command(pattern: str) -> str:
+    """The one command of benchmarks/README.md that ``pattern`` (a regex whose
+    group 1 is the command, without its backquotes) matches."""
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    (command,) = re.findall(pattern, readme)
+    return command

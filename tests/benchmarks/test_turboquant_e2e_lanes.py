@@ -5,12 +5,11 @@ one harness process per GPU, every ratio taken against the auto of its own
 GPU, the lanes' rows merged into one result."""
 
 import json
-import re
 import sys
 
 import pytest
 
-from tests.benchmarks import REPO, import_benchmark
+from tests.benchmarks import import_benchmark, readme_command
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +64,7 @@ def _fake_lanes(e2e, monkeypatch, tmp_path, n, behaviour=None):
 
 
 def _lanes_command():
-    readme = (REPO / "benchmarks" / "README.md").read_text()
-    (command,) = re.findall(r"`python (benchmarks/e2e/\S+ [^`]*--lanes[^`]*)`", readme)
-    return command
+    return readme_command(r"`python (benchmarks/e2e/\S+ [^`]*--lanes[^`]*)`")
 
 
 @pytest.mark.parametrize("visible", [None, "7,6,5,4"])

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.benchmarks import import_benchmark
+from tests.benchmarks import import_benchmark, readme_command
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +85,7 @@ def test_readme_command_runs_each_kv_dtype_with_caching_off_and_on(
     """benchmarks/README.md's prefix-caching command, as written: both shapes,
     four configurations each (no extra plain auto), the shared-prefix
     scenario, and the table of caching on over off."""
-    import re
     import sys
-
-    from tests.benchmarks import REPO
 
     specs = []
 
@@ -99,9 +96,8 @@ def test_readme_command_runs_each_kv_dtype_with_caching_off_and_on(
         return {**row, "model": model, "kv_tokens": 1000, "wall_s": 1.0}
 
     monkeypatch.setattr(e2e, "run_config", run_config)
-    readme = (REPO / "benchmarks" / "README.md").read_text()
-    (command,) = re.findall(
-        r"`python (benchmarks/e2e/\S+ [^`]*--scenarios shared-prefix[^`]*)`", readme
+    command = readme_command(
+        r"`python (benchmarks/e2e/\S+ [^`]*--scenarios shared-prefix[^`]*)`"
     )
     monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
     e2e.main()

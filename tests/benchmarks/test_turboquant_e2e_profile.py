@@ -14,7 +14,7 @@ from argparse import Namespace
 
 import pytest
 
-from tests.benchmarks import REPO, import_benchmark
+from tests.benchmarks import import_benchmark, readme_command
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +210,8 @@ def test_first_token_times_decode_heavys_prefill_step_alone(
                     scenarios={"first-token": summary})  # fmt: skip
 
     monkeypatch.setattr(e2e, "run_config", run_config)
-    readme = (REPO / "benchmarks" / "README.md").read_text()
-    (command,) = re.findall(
-        r"`python (benchmarks/e2e/\S+ [^`]*first-token --repeats \d+)`", readme
+    command = readme_command(
+        r"`python (benchmarks/e2e/\S+ [^`]*first-token --repeats \d+)`"
     )
     monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
     e2e.main()
@@ -453,11 +452,7 @@ def _fake_served(e2e, monkeypatch, tmp_path, rounds, behaviour=None):
 
 
 def _interleave_command():
-    readme = (REPO / "benchmarks" / "README.md").read_text()
-    (command,) = re.findall(
-        r"`python (benchmarks/e2e/\S+ [^`]*--interleave[^`]*)`", readme
-    )
-    return command
+    return readme_command(r"`python (benchmarks/e2e/\S+ [^`]*--interleave[^`]*)`")
 
 
 def test_interleaved_repeats_pair_each_kv_dtype_with_auto(

@@ -519,3 +519,23 @@ def test_decode_writes_into_the_callers_rows(triton_device):
     err = (rows.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL
     assert layer_out[B:].isnan().all()
+
+
+def test_sm_counts_are_kept_per_device_type(monkeypatch):
+    """A decode on CPU tensors (the interpreter's) and one on ``cuda:0`` ask
+    for the SM count of devices whose index reads 0 alike: the CPU figure
+    must not stand in for the GPU's, or its split count shrinks (6 splits
+    where 128 were due, in a GPU test session run after a CPU-tensor test)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.ops import turboquant_device
+
+    monkeypatch.setattr(turboquant_device, "_sm_counts", {})
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: SimpleNamespace(multi_processor_count=132),
+    )
+    assert turboquant_device.num_sms(torch.device("cpu")) == 4
+    assert turboquant_device.num_sms(torch.device("cuda", 0)) == 132
+    assert turboquant_device.num_sms(torch.device("cuda")) == 132

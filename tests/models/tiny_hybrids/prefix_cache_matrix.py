@@ -442,16 +442,22 @@ def engine_kwargs(
     return kwargs
 
 
-def preemptions(metrics: list) -> int:
-    """Requests the scheduler preempted (``vllm:num_preemptions``)."""
-    return int(
-        sum(
+def counter_total(metrics: list, name: str) -> float:
+    """Counter ``name`` of ``LLM.get_metrics()``, summed over its label sets
+    (with or without the ``_total`` suffix)."""
+    return sum(
+        (
             m.value
             for m in metrics
-            if m.name.removesuffix("_total") == "vllm:num_preemptions"
-            and hasattr(m, "value")
-        )
+            if m.name.removesuffix("_total") == name and hasattr(m, "value")
+        ),
+        0.0,
     )
+
+
+def preemptions(metrics: list) -> int:
+    """Requests the scheduler preempted (``vllm:num_preemptions``)."""
+    return int(counter_total(metrics, "vllm:num_preemptions"))
 
 
 def preempt_budgets(
@@ -472,13 +478,10 @@ def preempt_budgets(
 def prefix_counters(metrics: list) -> dict[str, float]:
     """``queries`` and ``hits`` (tokens) of the engine's prefix cache, summed
     over label sets (``vllm:prefix_cache_queries`` / ``_hits``)."""
-    names = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}
-    out = {"queries": 0.0, "hits": 0.0}
-    for m in metrics:
-        key = names.get(m.name.removesuffix("_total"))
-        if key and hasattr(m, "value"):
-            out[key] += m.value
-    return out
+    return {
+        "queries": counter_total(metrics, "vllm:prefix_cache_queries"),
+        "hits": counter_total(metrics, "vllm:prefix_cache_hits"),
+    }
 
 
 def engine_facts(llm: Any) -> dict[str, Any]:
