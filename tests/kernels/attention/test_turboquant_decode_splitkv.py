@@ -166,9 +166,9 @@ def test_hook_rotates_in_registers_only_for_the_backend_matrix(
     rotated = []
     real = tq_decode.rotate_query
 
-    def spy(query, PiT):
+    def spy(query, PiT, key_scale=None):
         rotated.append(PiT)
-        return real(query, PiT)
+        return real(query, PiT, key_scale)
 
     monkeypatch.setattr(tq_decode, "rotate_query", spy)
     query = torch.randn(len(lens), 4 * Hk, D)

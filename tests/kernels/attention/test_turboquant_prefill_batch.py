@@ -181,17 +181,24 @@ def _run(
     q_lens=Q_LENS,
     seq_lens=SEQ_LENS,
     step=_step,
+    make_kv=_exact_kv,
+    key_scale=None,
+    query_scale=None,
 ):
     """One step (by default a mixed one) through the builder and forward;
     returns the inputs and the output [tokens, HQ, D]. ``dtype``: the
     model's (bf16 holds the K/V exactly). ``step`` makes the step's metadata
-    from the block table."""
+    from the block table; ``make_kv(n, device)`` a sequence's K and V.
+    ``key_scale`` is the layer's (``_tq_key_scale``); the query is multiplied
+    by ``query_scale``."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
     cfg = impl.tq_config
     layer = torch.nn.Module()
     layer._tq_centroids = get_centroids(D, cfg.centroid_bits).to(device)
+    if key_scale is not None:
+        layer._tq_key_scale = key_scale.to(device)
     pages = [math.ceil(s / PAGE) for s in seq_lens]
     cache = torch.zeros(
         sum(pages) + 1, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8
@@ -206,7 +213,7 @@ def _run(
 
     # Every request's whole sequence, stored as the earlier steps and this
     # step's cache update would have.
-    seqs = [tuple(t.to(dtype) for t in _exact_kv(s, device)) for s in seq_lens]
+    seqs = [tuple(t.to(dtype) for t in make_kv(s, device)) for s in seq_lens]
     k_all = torch.cat([k for k, _ in seqs])
     v_all = torch.cat([v for _, v in seqs])
     impl._ensure_on_device(layer, torch.device(device))
@@ -218,6 +225,8 @@ def _run(
     k_new = torch.cat([k[s - q :] for (k, _), q, s in zip(seqs, q_lens, seq_lens)])
     v_new = torch.cat([v[s - q :] for (_, v), q, s in zip(seqs, q_lens, seq_lens)])
     q = torch.randn(sum(q_lens), HQ, D, device=device).to(dtype)
+    if query_scale is not None:
+        q = q * query_scale.to(device)
     with no_host_sync(monkeypatch):
         out = impl.forward(
             layer,
@@ -357,12 +366,12 @@ def test_prefill_rows_are_written_where_the_caller_says(
     writes its rows there: no per-call result, no concatenation."""
     real, calls = turboquant_attn.prefill_attention, []
 
-    def into_rows(impl, query, *args, out=None):  # its own rows, not the caller's
+    def into_rows(impl, query, *args, out=None, **kw):  # its own rows, not the caller's
         buf = torch.full(
             (query.shape[0] + 2, *query.shape[1:]), float("nan"), device=query.device
         )
         rows = buf[1:-1]
-        got = real(impl, query, *args, out=rows)
+        got = real(impl, query, *args, out=rows, **kw)
         assert got.data_ptr() == rows.data_ptr()
         assert buf[0].isnan().all() and buf[-1].isnan().all()
         calls.append(rows)

@@ -26,7 +26,8 @@ fp8 overflow count), and ``--fixes`` adds key variants (``mean``: subtract
 the per-layer key mean computed over the window before quantizing, which
 softmax ignores; ``sign``: random +-1 signs before the Hadamard; ``chan``:
 per-channel RMS scaling before rotation; ``sink``: keep the first 4 tokens
-unquantized; ``mean512``: the mean of the first 512 keys only).
+unquantized; ``mean512``: the mean of the first 512 keys only; ``kscale``: the
+product's per-channel key scale from ``k_norm``, ``turboquant.key_scale``).
 
 Cost (2 CPU cores, fp32): Gemma-3-270M ~12-35 s per (configuration,
 3,000-token window), SmolLM2-135M ~15 s for auto and ~160 s per quantized
@@ -133,6 +134,7 @@ class Emu:
         self.stats: dict[int, dict] | None = None
         self.signs: dict[int, torch.Tensor] = {}
         self.capture: dict[int, tuple] | None = None
+        self.key_scale: dict[int, torch.Tensor] = {}
 
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kbits == 0:
@@ -157,6 +159,10 @@ class Emu:
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
             return quant_keys_mse(k.double() / r, self.kbits, self.nc) * r
+        if fix == "kscale":
+            # The product's key scale (turboquant.key_scale), from k_norm.
+            s = self.key_scale[layer].double()
+            return quant_keys_mse(k.double() / s, self.kbits, self.nc) * s
         out = quant_keys_mse(k, self.kbits, self.nc)
         if fix == "sink":
             out[..., :4, :] = k[..., :4, :].double()
@@ -228,6 +234,22 @@ def _record_stats(layer: int, q, k, v, scaling):
     }
 
 
+def _key_scale(module, head_dim: int) -> torch.Tensor:
+    """``turboquant.key_scale`` for an HF attention module (NeoX RoPE over
+    the whole head, as Llama's and Gemma's; ones without ``k_norm``)."""
+    from vllm.model_executor.layers.quantization.turboquant.key_scale import (
+        key_channel_scale,
+    )
+
+    norm = getattr(module, "k_norm", None)
+    if norm is None:
+        return torch.ones(head_dim)
+    w = norm.weight.detach().float()
+    # HF's Gemma RMSNorms multiply by (1 + w), Qwen3's by w.
+    multiplier = 1.0 + w if type(norm).__name__.startswith("Gemma") else w
+    return key_channel_scale(multiplier, head_dim, is_neox_style=True)
+
+
 def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     """HF attention interface: [B, H, S, D] in, [B, S, H, D] out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -251,6 +273,8 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kw
         )
+    if layer not in EMU.key_scale:
+        EMU.key_scale[layer] = _key_scale(module, k.shape[-1])
     s = q.shape[1]
     rep = q.shape[0] // k.shape[0]
     kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
@@ -436,7 +460,9 @@ def main(argv=None) -> int:
         "--layers", default="default", help="default | all | comma list of indices"
     )
     ap.add_argument("--per-layer", action="store_true", help="also each layer alone")
-    ap.add_argument("--fixes", default="", help="comma list: mean,sign,chan,sink")
+    ap.add_argument(
+        "--fixes", default="", help="comma list: mean,sign,chan,sink,kscale"
+    )
     ap.add_argument("--stats", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(

@@ -189,11 +189,14 @@ def _dequantize_cached(
     Pi: torch.Tensor,
     centroids: torch.Tensor,
     dtype: torch.dtype,
+    key_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a request's first ``cached`` tokens: [cached, Hk, D] each.
 
     0.20.2's dequantization kernel (fp16 out), written token-major; MSE keys
-    are rotated back to the model's space as 0.20.2 does (``k @ Pi``).
+    are rotated back to the model's space as 0.20.2 does (``k @ Pi``), then
+    multiplied by the layer's ``key_scale`` when they were stored divided
+    by it.
     """
     Hk, D = kv_cache.shape[2], impl.head_size
     cfg = impl.tq_config
@@ -232,12 +235,16 @@ def _dequantize_cached(
     )
     if cfg.key_fp8:
         keys = k16
-    elif is_backend_hadamard(Pi):
-        # The backend's Pi is its symmetric scaled Hadamard matrix, so
-        # k @ Pi is the in-register transform of the query rotation.
-        keys = rotate_query(k16, Pi).to(torch.float16)
     else:
-        keys = (k16.reshape(-1, D).float() @ Pi).to(torch.float16).view_as(k16)
+        if is_backend_hadamard(Pi):
+            # The backend's Pi is its symmetric scaled Hadamard matrix, so
+            # k @ Pi is the in-register transform of the query rotation.
+            keys = rotate_query(k16, Pi)
+        else:
+            keys = (k16.reshape(-1, D).float() @ Pi).view_as(k16)
+        if key_scale is not None:
+            keys = keys * key_scale
+        keys = keys.to(torch.float16)
     return keys.to(dtype), v16.to(dtype)
 
 
@@ -284,13 +291,15 @@ def prefill_attention(
     centroids: torch.Tensor,
     has_flash_attn: bool,
     out: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D],
     written into ``out`` (shaped like ``query``) when given.
 
     ``impl`` is the layer's ``TurboQuantAttentionImpl``: its varlen
     FlashAttention call where FlashAttention is installed, else SDPA with the
-    same bottom-right-aligned causal mask.
+    same bottom-right-aligned causal mask. ``key_scale``: the layer's, when
+    its keys are stored divided by it (cached keys are multiplied back).
     """
     attend: Callable[..., torch.Tensor] = (
         impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
@@ -315,6 +324,7 @@ def prefill_attention(
                     Pi,
                     centroids,
                     k.dtype,
+                    key_scale,
                 )
                 k_all[c.row : c.row + c.cached] = ck
                 v_all[c.row : c.row + c.cached] = cv

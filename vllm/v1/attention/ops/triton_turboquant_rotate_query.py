@@ -23,6 +23,7 @@ from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
 def _tq_rotate_query(
     Q_ptr,  # [B, Hq, D] model dtype, last dim contiguous
     PiT_ptr,  # the backend's scaled Hadamard matrix: only [0, 0] is read
+    KeyScale_ptr,  # [D] fp32, multiplies the query first (HAS_KEY_SCALE)
     Out_ptr,  # [B, Hq, D] fp32
     stride_qb,
     stride_qh,
@@ -31,17 +32,24 @@ def _tq_rotate_query(
     HQ: tl.constexpr,
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
+    HAS_KEY_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0) // HQ
     head = tl.program_id(0) % HQ
     offs = tl.arange(0, D)
     x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
+    if HAS_KEY_SCALE:
+        x = x * tl.load(KeyScale_ptr + offs)
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
     tl.store(Out_ptr + row * stride_ob + head * stride_oh + offs, y)
 
 
-def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
-    """``query.float() @ PiT`` for the backend's scaled Hadamard ``PiT``.
+def rotate_query(
+    query: torch.Tensor, PiT: torch.Tensor, key_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``query.float() @ PiT`` for the backend's scaled Hadamard ``PiT``;
+    ``(query.float() * key_scale) @ PiT`` with the layer's key scale ([D]
+    fp32), for keys stored divided by it.
 
     Returns [B, Hq, D] fp32; the query is read in its own dtype.
     """
@@ -58,6 +66,7 @@ def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
         _tq_rotate_query[(B * Hq,)](
             query,
             PiT,
+            PiT if key_scale is None else key_scale,
             out,
             query.stride(0),
             query.stride(1),
@@ -66,6 +75,7 @@ def rotate_query(query: torch.Tensor, PiT: torch.Tensor) -> torch.Tensor:
             HQ=Hq,
             D=D,
             LOG2_D=D.bit_length() - 1,
+            HAS_KEY_SCALE=key_scale is not None,
             num_warps=1 if D <= 256 else 2,
         )
     return out

@@ -47,6 +47,7 @@ def _tq_store_mse_hadamard(
     Key_ptr,
     Value_ptr,
     PiT_ptr,  # only PiT[0, 0] is read: the scaled Hadamard entry
+    KeyScale_ptr,  # [D] fp32, keys are divided by it (HAS_KEY_SCALE)
     Midpoints_ptr,
     KV_cache_ptr,
     Slot_mapping_ptr,
@@ -68,6 +69,7 @@ def _tq_store_mse_hadamard(
     VAL_DATA_BYTES: tl.constexpr,
     BLOCK_VAL: tl.constexpr,
     BLOCK_GRP: tl.constexpr,
+    HAS_KEY_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token = pid // H
@@ -84,6 +86,8 @@ def _tq_store_mse_hadamard(
     d = tl.arange(0, D)
 
     k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d).to(tl.float32)
+    if HAS_KEY_SCALE:
+        k = tl.div_rn(k, tl.load(KeyScale_ptr + d))
     norm = tl.sqrt_rn(tl.sum(k * k, axis=0))
     x = tl.div_rn(k, tl.zeros([D], tl.float32) + (norm + 1e-8))
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
@@ -210,11 +214,14 @@ def turboquant_store_hadamard(
     key_packed_size: int,
     value_quant_bits: int,
     num_warps: int | None = None,
+    key_scale: torch.Tensor | None = None,  # [D] fp32
 ) -> None:
     """Store MSE-quantized keys and uniform-quantized values in one launch.
 
     ``PiT`` must be the scaled Sylvester Hadamard matrix the TurboQuant
-    backend builds; only its [0, 0] entry is read (on the device).
+    backend builds; only its [0, 0] entry is read (on the device). With
+    ``key_scale`` the keys stored are ``key / key_scale`` (the layer's
+    per-channel key scale, ``turboquant.key_scale``).
     """
     N, H, D = key.shape
     if D & (D - 1) or D < 16 or mse_bits not in (3, 4):
@@ -227,11 +234,14 @@ def turboquant_store_hadamard(
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
+    if key_scale is not None:
+        _check_key_scale(key_scale, D)
     layout = slot_layout(D, False, mse_bits, value_quant_bits)
     _tq_store_mse_hadamard[(N * H,)](
         key,
         value,
         PiT,
+        PiT if key_scale is None else key_scale,
         midpoints,
         kv_cache,
         slot_mapping,
@@ -253,9 +263,23 @@ def turboquant_store_hadamard(
         VAL_DATA_BYTES=layout.value_index_bytes,
         BLOCK_VAL=triton.next_power_of_2(layout.value_index_bytes),
         BLOCK_GRP=D // 8,
+        HAS_KEY_SCALE=key_scale is not None,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
     )
+
+
+def _check_key_scale(key_scale: torch.Tensor, head_dim: int) -> None:
+    if (
+        key_scale.dtype != torch.float32
+        or key_scale.shape != (head_dim,)
+        or key_scale.stride(0) != 1
+    ):
+        raise ValueError(
+            f"key_scale must be a contiguous [{head_dim}] float32 vector, got "
+            f"{key_scale.dtype} {tuple(key_scale.shape)}; build it with "
+            "turboquant.key_scale.key_channel_scale"
+        )
 
 
 def turboquant_store(
@@ -269,12 +293,19 @@ def turboquant_store(
     key_packed_size: int,
     value_quant_bits: int,
     key_fp8: bool = False,
+    key_scale: torch.Tensor | None = None,
 ) -> None:
     """The backend's store: ``triton_turboquant_store``'s arguments, with
     ``PiT`` the backend's scaled Hadamard matrix. MSE keys take the fused
     kernel, FP8 keys a strided copy of 0.20.2's kernel (the ``qkv`` views
-    are not copied first); other shapes take 0.20.2's launcher."""
+    are not copied first); other shapes take 0.20.2's launcher.
+    ``key_scale`` ([D] fp32, MSE keys only): store ``key / key_scale``."""
     N, H, D = key.shape
+    if key_scale is not None and key_fp8:
+        raise ValueError(
+            "key_scale applies to MSE keys; FP8 keys are stored per element and "
+            "take none"
+        )
     pow2 = D >= 16 and not D & (D - 1)
     if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
         val_bytes = slot_layout(D, True, 0, value_quant_bits).value_index_bytes
@@ -304,6 +335,9 @@ def turboquant_store(
         )
         return
     if key_fp8 or not pow2 or mse_bits not in (3, 4):
+        if key_scale is not None:
+            _check_key_scale(key_scale, D)
+            key = key.float() / key_scale
         triton_turboquant_store(
             key,
             value,
@@ -327,4 +361,5 @@ def turboquant_store(
         mse_bits=mse_bits,
         key_packed_size=key_packed_size,
         value_quant_bits=value_quant_bits,
+        key_scale=key_scale,
     )

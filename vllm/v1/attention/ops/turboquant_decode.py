@@ -186,12 +186,15 @@ def decode_attention(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     hadamard_query: bool = False,
     stage: str | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a packed TurboQuant cache: [B, Hq, D].
 
     ``hadamard_query``: ``PiT`` is the backend's scaled Hadamard matrix
     (``is_backend_hadamard``), so the query is rotated by ``rotate_query``
-    instead of an fp32 GEMM.
+    instead of an fp32 GEMM. ``key_scale`` ([D] fp32, MSE keys only): the
+    keys were stored divided by it, so the query is multiplied by it before
+    the rotation and every score is the one of the unscaled keys.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -236,9 +239,16 @@ def decode_attention(
         )
 
     if key_fp8:
+        if key_scale is not None:
+            raise ValueError(
+                "key_scale applies to MSE keys; FP8 keys are stored unscaled"
+            )
         q_in = query if query.stride(-1) == 1 else query.contiguous()
+    elif hadamard_query:
+        q_in = rotate_query(query, PiT, key_scale)
     else:
-        q_in = rotate_query(query, PiT) if hadamard_query else query.float() @ PiT
+        q_f = query.float() if key_scale is None else query.float() * key_scale
+        q_in = q_f @ PiT
 
     out_dtype = out_dtype or query.dtype
     if (
@@ -352,6 +362,7 @@ def maybe_decode_attention(
     mid_o_buf: torch.Tensor | None = None,
     max_num_kv_splits: int = 32,
     output_buf: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``triton_turboquant_decode_attention``'s call, served here.
 
@@ -359,7 +370,10 @@ def maybe_decode_attention(
     the layout; the caller then runs 0.20.2's kernel. The backend's decode
     rows (plain and speculative verify rows) and its short continuation
     chunks all arrive through that entry point. Its ``output_buf`` is
-    written in place where ``decode_attention`` can.
+    written in place where ``decode_attention`` can. ``key_scale``: the
+    layer's per-channel key scale (``turboquant.key_scale``) when its keys
+    are stored divided by it; a caller that runs 0.20.2's kernel instead
+    multiplies its query by it first.
     """
     B, Hq, D = query.shape
     stage = envs.VLLM_TURBOQUANT_DECODE
@@ -387,4 +401,5 @@ def maybe_decode_attention(
         max_num_kv_splits=max_num_kv_splits,
         hadamard_query=not key_fp8 and is_backend_hadamard(PiT),
         stage=stage,
+        key_scale=key_scale,
     )
