@@ -32,6 +32,7 @@ from tests.kernels.attention.test_turboquant_store_fused import (
     _qkv,
     _slots,
 )
+from tests.kernels.attention.turboquant_packed import decode
 from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -43,7 +44,6 @@ from vllm.model_executor.layers.quantization.turboquant.key_scale import (
     norm_multiplier,
 )
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
-from vllm.v1.attention.ops.turboquant_decode import decode_attention
 
 MSE_PRESETS = ["turboquant_4bit_nc", "turboquant_3bit_nc"]
 
@@ -164,23 +164,10 @@ def test_decode_rotates_the_query_times_the_scale(preset, triton_device):
     table = torch.arange(blocks, dtype=torch.int32).view(2, 3).to(triton_device)
     seq_lens = torch.tensor([40, 17], dtype=torch.int32, device=triton_device)
     q = torch.randn(2, HQ, d, generator=g).to(triton_device)
+    args = (cache, table, seq_lens, cfg, centroids, pit)
+    kw = dict(hadamard_query=True, stage="triton")
     outs = [
-        decode_attention(
-            query,
-            cache,
-            table,
-            seq_lens,
-            pit,
-            centroids,
-            d**-0.5,
-            cfg.key_mse_bits,
-            cfg.key_packed_size,
-            cfg.effective_value_quant_bits,
-            norm_correction=cfg.norm_correction,
-            hadamard_query=True,
-            stage="triton",
-            key_scale=scale,
-        )  # fmt: skip
+        decode(query, *args, key_scale=scale, **kw)
         for query, scale in ((q, s), (q * s, None))
     ]
     # Equal under the interpreter; on a GPU the kernel may fuse the multiply

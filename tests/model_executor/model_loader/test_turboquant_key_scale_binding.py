@@ -18,6 +18,7 @@ from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.quantization.turboquant.key_scale import (
+    bind_key_scales,
     key_channel_scale,
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -72,3 +73,11 @@ def test_other_layers_take_none(cache_dtype):
     model = _model(cache_dtype)
     process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
     assert not hasattr(model["0"].attn, "_tq_key_scale")
+
+
+def test_the_scale_goes_where_the_layer_runs():
+    """With weights offloaded to the CPU the norm's weight is not where the
+    cache is; the scale is placed on the loader's target device."""
+    model = _model("turboquant_4bit_nc")
+    assert bind_key_scales(model, torch.device("meta")) == 1
+    assert model["0"].attn._tq_key_scale.device.type == "meta"

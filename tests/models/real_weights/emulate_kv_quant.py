@@ -28,6 +28,9 @@ softmax ignores; ``sign``: random +-1 signs before the Hadamard; ``chan``:
 per-channel RMS scaling before rotation; ``sink``: keep the first 4 tokens
 unquantized; ``mean512``: the mean of the first 512 keys only; ``kscale``: the
 product's per-channel key scale from ``k_norm``, ``turboquant.key_scale``).
+``--needle LENGTHS`` scores the quality harness's needle cases instead of
+perplexity, for the retrieval step alone: the prompt attends raw, and the rows
+that predict the teacher-forced answer read its keys and values quantized.
 
 Cost (2 CPU cores, fp32): Gemma-3-270M ~12-35 s per (configuration,
 3,000-token window), SmolLM2-135M ~15 s for auto and ~160 s per quantized
@@ -135,6 +138,9 @@ class Emu:
         self.signs: dict[int, torch.Tensor] = {}
         self.capture: dict[int, tuple] | None = None
         self.key_scale: dict[int, torch.Tensor] = {}
+        # Needle mode: quantize only what the answer rows read (None: every
+        # row reads earlier chunks quantized, as chunked prefill does).
+        self.answer_from: int | None = None
 
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kbits == 0:
@@ -250,6 +256,25 @@ def _key_scale(module, head_dim: int) -> torch.Tensor:
     return key_channel_scale(multiplier, head_dim, is_neox_style=True)
 
 
+def _answer_rows_attention(module, query, key, value, scaling):
+    """The teacher-forced answer's rows (the query, after a cached prompt)
+    read the prompt's keys and values quantized, as a decode step reads them
+    from the cache, and the answer's own raw."""
+    a = EMU.answer_from
+    q, k, v = query[0], key[0], value[0]
+    rep = q.shape[0] // k.shape[0]
+    layer = module.layer_idx
+    kk = torch.cat([EMU.quant_k(k[:, :a], layer).float(), k[:, a:].float()], 1)
+    vv = torch.cat([EMU.quant_v(v[:, :a]).float(), v[:, a:].float()], 1)
+    kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
+    n, total = q.shape[1], kk.shape[1]
+    scores = torch.einsum("hsd,htd->hst", q.float(), kk) * scaling
+    seen = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+    p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    out = torch.einsum("hst,htd->shd", p, vv).to(query.dtype)
+    return out.unsqueeze(0).contiguous(), None
+
+
 def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     """HF attention interface: [B, H, S, D] in, [B, S, H, D] out."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -277,6 +302,8 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
         EMU.key_scale[layer] = _key_scale(module, k.shape[-1])
     s = q.shape[1]
     rep = q.shape[0] // k.shape[0]
+    if EMU.answer_from is not None:
+        return _answer_rows_attention(module, query, key, value, scaling)
     kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
     vq = EMU.quant_v(v).float().repeat_interleave(rep, 0)
     kr, vr = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
@@ -436,6 +463,50 @@ def window_nll(lm, ids: torch.Tensor) -> tuple[float, int, torch.Tensor]:
     return total, hidden.shape[0] - 1, torch.cat(greedy)
 
 
+def needle_cases(tokenizer, lengths: list[int], per_cell: int) -> list:
+    """The quality harness's needle cases (same seeds, corpus and prompts)."""
+    from tests.benchmarks import import_benchmark
+
+    inputs = import_benchmark("benchmarks.quality.kvq_inputs")
+    text, _ = inputs.read_corpus(inputs.DEFAULT_CORPUS, explicit=False)
+    corpus = inputs.tokenize_corpus(tokenizer, text)
+    prefix = inputs.special_prefix(tokenizer)
+    return inputs.needle_cases(
+        corpus, tokenizer, prefix, lengths, inputs.DEPTHS, per_cell
+    )
+
+
+@torch.inference_mode()
+def needle_prompt(lm, tokenizer, case):
+    """The prompt's raw forward, its KV cache kept, and the answer's ids: " "
+    and the needle's digits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    EMU.answer_from = None
+    lm.model(input_ids=torch.tensor([case.prompt]), past_key_values=cache)
+    answer = tokenizer(" " + case.number, add_special_tokens=False).input_ids
+    return cache, answer
+
+
+@torch.inference_mode()
+def needle_digits(lm, case, cache, answer) -> int:
+    """Answer tokens predicted right with the answer teacher-forced after the
+    cached prompt (all right is the greedy hit the harness counts). The prompt
+    attended raw; the answer's rows read its keys and values quantized: the
+    retrieval step alone."""
+    n = len(case.prompt)
+    ids = torch.tensor([case.prompt[-1:] + answer[:-1]])
+    cache.crop(n - 1)
+    EMU.answer_from = n - 1
+    try:
+        out = lm.model(input_ids=ids, past_key_values=cache).last_hidden_state
+    finally:
+        EMU.answer_from = None
+    logits = lm.get_output_embeddings()(out[0]).float()
+    return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
+
+
 def default_layers(config, boundary: int) -> list[int]:
     types = getattr(config, "layer_types", None) or ["full_attention"] * (
         config.num_hidden_layers
@@ -464,6 +535,14 @@ def main(argv=None) -> int:
         "--fixes", default="", help="comma list: mean,sign,chan,sink,kscale"
     )
     ap.add_argument("--stats", action="store_true")
+    ap.add_argument(
+        "--needle",
+        default="",
+        metavar="LENGTHS",
+        help="needle recall of the retrieval step instead of perplexity: comma "
+        "list of prompt lengths, the quality harness's cases",
+    )
+    ap.add_argument("--needles-per-cell", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -546,6 +625,35 @@ def main(argv=None) -> int:
         results["kernels"] = check_kernels(captured, args.check_kernels, 4)
         if args.presets == "none":
             configs = []
+    if args.needle:
+        lengths = [int(x) for x in args.needle.split(",")]
+        cases = needle_cases(tok, lengths, args.needles_per_cell)
+        right = {name: [] for name, *_ in configs}
+        t0 = time.time()
+        for c in cases:
+            cache, answer = needle_prompt(lm, tok, c)
+            for name, lys, kb, vb, nc, fix in configs:
+                EMU.layers, EMU.kbits, EMU.vbits = set(lys), kb, vb
+                EMU.nc, EMU.fix = nc, fix
+                right[name].append((needle_digits(lm, c, cache, answer), len(answer)))
+        print(f"{len(cases)} needle cases, {time.time() - t0:.0f}s", flush=True)
+        for name, scores in right.items():
+            hits = [r == n for r, n in scores]
+            digits = sum(r for r, _ in scores) / sum(n for _, n in scores)
+            missed = [
+                f"{c.length}@{c.depth}#{c.index}" for c, h in zip(cases, hits) if not h
+            ]
+            results[name] = {
+                "recall": sum(hits) / len(hits),
+                "answer_tokens_right": digits,
+                "missed": missed,
+            }
+            print(
+                f"{name:24s} recall {100 * sum(hits) / len(hits):5.1f}%  answer "
+                f"tokens right {100 * digits:5.1f}%  missed {' '.join(missed)}",
+                flush=True,
+            )
+        configs = []
     for name, lys, kb, vb, nc, fix in configs:
         t0 = time.time()
         EMU.layers, EMU.kbits, EMU.vbits, EMU.nc, EMU.fix = set(lys), kb, vb, nc, fix

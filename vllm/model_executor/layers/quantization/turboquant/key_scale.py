@@ -104,12 +104,15 @@ def _attention_key_scale(module: nn.Module, head_dim: int) -> torch.Tensor | Non
     return key_channel_scale(multiplier, rotary_dim, is_neox)
 
 
-def bind_key_scales(model: nn.Module) -> int:
+def bind_key_scales(model: nn.Module, device: torch.device | None = None) -> int:
     """Give every TurboQuant attention layer with MSE keys under a per-head
-    ``k_norm`` its key scale (``layer._tq_key_scale``); returns how many.
+    ``k_norm`` its key scale (``layer._tq_key_scale``, on ``device`` where
+    given); returns how many.
 
     Run once the weights are loaded. The attention layer is the block's
-    ``attn`` child, as in every vLLM model that has ``k_norm``.
+    ``attn`` child, as in every vLLM model that has ``k_norm``. ``device``
+    is where the layer runs: with weights offloaded to the CPU the norm's
+    weight is not, and the kernels read the scale next to the cache.
     """
     from vllm.model_executor.layers.attention import Attention
 
@@ -130,7 +133,7 @@ def bind_key_scales(model: nn.Module) -> int:
         scale = _attention_key_scale(module, impl.head_size)
         if scale is None:
             continue
-        attn._tq_key_scale = scale
+        attn._tq_key_scale = scale if device is None else scale.to(device)
         bound += 1
         logger.debug(
             "%s: TurboQuant key scale from k_norm, max/min %.3g",
