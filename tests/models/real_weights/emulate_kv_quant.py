@@ -306,7 +306,9 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
         return _answer_rows_attention(module, query, key, value, scaling)
     kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
     vq = EMU.quant_v(v).float().repeat_interleave(rep, 0)
-    kr, vr = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    kr = k.float().repeat_interleave(rep, 0)
+    vr = v.float().repeat_interleave(rep, 0)
+    q = q.float()
     pos = torch.arange(s)
     chunk = pos // EMU.chunk
     causal = pos[None, :] <= pos[:, None]
@@ -318,7 +320,7 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     p = torch.softmax(scores, dim=-1)
     out = torch.einsum("hst,htd->hsd", p * raw, vr)
     out = out + torch.einsum("hst,htd->hsd", p * cached, vq)
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
 # ----------------------------------------------------- real kernels (CPU)
@@ -463,12 +465,16 @@ def window_nll(lm, ids: torch.Tensor) -> tuple[float, int, torch.Tensor]:
     return total, hidden.shape[0] - 1, torch.cat(greedy)
 
 
-def needle_cases(tokenizer, lengths: list[int], per_cell: int) -> list:
-    """The quality harness's needle cases (same seeds, corpus and prompts)."""
+def needle_cases(
+    tokenizer, lengths: list[int], per_cell: int, corpus: str | None = None
+) -> list:
+    """The quality harness's needle cases (same seeds and prompts) over its
+    default corpus, or ``corpus`` (a file, as its ``--corpus``)."""
     from tests.benchmarks import import_benchmark
 
     inputs = import_benchmark("benchmarks.quality.kvq_inputs")
-    text, _ = inputs.read_corpus(inputs.DEFAULT_CORPUS, explicit=False)
+    paths = inputs.DEFAULT_CORPUS if corpus is None else [corpus]
+    text, _ = inputs.read_corpus(paths, explicit=corpus is not None)
     corpus = inputs.tokenize_corpus(tokenizer, text)
     prefix = inputs.special_prefix(tokenizer)
     return inputs.needle_cases(
@@ -507,6 +513,18 @@ def needle_digits(lm, case, cache, answer) -> int:
     return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
 
 
+@torch.inference_mode()
+def needle_digits_chunked(lm, case, answer) -> int:
+    """``needle_digits`` with the whole prompt prefilled in chunks as the
+    harness runs it: every row reads earlier chunks' keys and values
+    quantized. The prompt fills whole chunks when its length is a multiple
+    of the chunk, so the answer's rows read all of it quantized."""
+    ids = torch.tensor([case.prompt + answer[:-1]])
+    out = lm.model(input_ids=ids).last_hidden_state[0, len(case.prompt) - 1 :]
+    logits = lm.get_output_embeddings()(out).float()
+    return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
+
+
 def default_layers(config, boundary: int) -> list[int]:
     types = getattr(config, "layer_types", None) or ["full_attention"] * (
         config.num_hidden_layers
@@ -536,6 +554,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--stats", action="store_true")
     ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run the model in bf16, as the GPU engines do (attention math in fp32)",
+    )
+    ap.add_argument(
         "--needle",
         default="",
         metavar="LENGTHS",
@@ -543,6 +566,18 @@ def main(argv=None) -> int:
         "list of prompt lengths, the quality harness's cases",
     )
     ap.add_argument("--needles-per-cell", type=int, default=3)
+    ap.add_argument(
+        "--needle-corpus",
+        default=None,
+        metavar="FILE",
+        help="the harness run's --corpus, for the same cases as that run",
+    )
+    ap.add_argument(
+        "--needle-chunked",
+        action="store_true",
+        help="with --needle: prefill the whole prompt in --chunk chunks, every row "
+        "reading earlier chunks quantized (slow: a full forward per configuration)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -563,6 +598,8 @@ def main(argv=None) -> int:
     if not path.exists():
         path = checkpoints.build(args.model, offline=True)
     lm, tok = checkpoints.load(path)
+    if args.bf16:
+        lm = lm.to(torch.bfloat16)
     from transformers.masking_utils import sdpa_mask
 
     transformers.AttentionInterface.register("tq_emul", tq_attention)
@@ -627,7 +664,7 @@ def main(argv=None) -> int:
             configs = []
     if args.needle:
         lengths = [int(x) for x in args.needle.split(",")]
-        cases = needle_cases(tok, lengths, args.needles_per_cell)
+        cases = needle_cases(tok, lengths, args.needles_per_cell, args.needle_corpus)
         right = {name: [] for name, *_ in configs}
         t0 = time.time()
         for c in cases:
@@ -635,7 +672,12 @@ def main(argv=None) -> int:
             for name, lys, kb, vb, nc, fix in configs:
                 EMU.layers, EMU.kbits, EMU.vbits = set(lys), kb, vb
                 EMU.nc, EMU.fix = nc, fix
-                right[name].append((needle_digits(lm, c, cache, answer), len(answer)))
+                got = (
+                    needle_digits_chunked(lm, c, answer)
+                    if args.needle_chunked
+                    else needle_digits(lm, c, cache, answer)
+                )
+                right[name].append((got, len(answer)))
         print(f"{len(cases)} needle cases, {time.time() - t0:.0f}s", flush=True)
         for name, scores in right.items():
             hits = [r == n for r, n in scores]
