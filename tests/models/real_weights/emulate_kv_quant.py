@@ -482,6 +482,11 @@ def needle_cases(
     )
 
 
+def needle_answer(tokenizer, case) -> list[int]:
+    """The ids a hit starts with: " " and the needle's digits."""
+    return tokenizer(" " + case.number, add_special_tokens=False).input_ids
+
+
 @torch.inference_mode()
 def needle_prompt(lm, tokenizer, case):
     """The prompt's raw forward, its KV cache kept, and the answer's ids: " "
@@ -491,8 +496,7 @@ def needle_prompt(lm, tokenizer, case):
     cache = DynamicCache()
     EMU.answer_from = None
     lm.model(input_ids=torch.tensor([case.prompt]), past_key_values=cache)
-    answer = tokenizer(" " + case.number, add_special_tokens=False).input_ids
-    return cache, answer
+    return cache, needle_answer(tokenizer, case)
 
 
 @torch.inference_mode()
@@ -668,7 +672,10 @@ def main(argv=None) -> int:
         right = {name: [] for name, *_ in configs}
         t0 = time.time()
         for c in cases:
-            cache, answer = needle_prompt(lm, tok, c)
+            if args.needle_chunked:  # every configuration runs the whole prompt
+                answer = needle_answer(tok, c)
+            else:
+                cache, answer = needle_prompt(lm, tok, c)
             for name, lys, kb, vb, nc, fix in configs:
                 EMU.layers, EMU.kbits, EMU.vbits = set(lys), kb, vb
                 EMU.nc, EMU.fix = nc, fix

@@ -56,18 +56,21 @@ def _perplexity(lm, ids, bits: int = 0, fix: str = "") -> float:
     return math.exp(nll / count)
 
 
-def test_key_scale_brings_gemma3_4bit_keys_within_two_percent(gemma):
+@pytest.fixture(scope="module")
+def auto(gemma):
+    return _perplexity(*gemma)
+
+
+def test_key_scale_brings_gemma3_4bit_keys_within_two_percent(gemma, auto):
     lm, ids = gemma
-    auto = _perplexity(lm, ids)
     plain = _perplexity(lm, ids, 4) / auto
     scaled = _perplexity(lm, ids, 4, "kscale") / auto
     assert plain > 1.02, f"the unscaled 4-bit keys no longer miss: {plain:.4f}"
     assert scaled <= 1.02, f"4bit_nc with the key scale: {scaled:.4f}x auto"
 
 
-def test_key_scale_lowers_gemma3_3bit_perplexity(gemma):
+def test_key_scale_lowers_gemma3_3bit_perplexity(gemma, auto):
     lm, ids = gemma
-    auto = _perplexity(lm, ids)
     plain = _perplexity(lm, ids, 3) / auto
     scaled = _perplexity(lm, ids, 3, "kscale") / auto
     assert scaled < plain - 0.03, (plain, scaled)
