@@ -512,6 +512,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
         v_cache = torch.randn_like(k_cache)
         fa, fa_err = fa_runner(q, k_cache, v_cache, bt, seq_lens, ctx, scale)
         fa_us = timer(fa) if fa else None
+        fa_host_us = timer.host_us if fa_us is not None else None
         if fa_err:
             log(f"  {label} {B}x{ctx}: {fa_err}")
         del k_cache, v_cache, fa  # the runner holds the bf16 caches
@@ -528,6 +529,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                 old_us=fa_us,
                 new_us=None,
                 fa_us=fa_us,
+                fa_host_us=fa_host_us,
             )
         )
         max_slot = tq_config(PRESETS[0], D).slot_size_aligned
@@ -582,6 +584,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     new_host_us=new_host_us,
                     stage1=stage1_of(new),
                     fa_us=fa_us,
+                    fa_host_us=fa_host_us,
                     rel_diff_new_old=diff,
                     old_err=errs["old"],
                     new_err=errs["new"],
@@ -855,7 +858,8 @@ def fmt_row(r, bw):
         f"{r['kv']:10s} {r['bytes'] / 1e6:9.1f} MB floor {fmt_us(r['floor_us']):>8s} | "
         f"old {fmt_us(old):>9s} ({fmt_pct(pct(r['bytes'], old, bw)):>4s}) | "
         f"new {fmt_us(new):>9s} ({fmt_pct(pct(r['bytes'], new, bw)):>4s}) "
-        f"{r.get('stage1') or '':6s} host {fmt_us(r.get('new_host_us')):>6s} | "
+        f"{r.get('stage1') or '':6s} host {fmt_us(r.get('new_host_us')):>6s} "
+        f"({host_ratio(r)} FA's) | "
         f"FA {fmt_us(fa):>8s} | FA/new {ratio:>6s} | new vs old {speedup:>6s}"
         + (
             f" | diff {r['rel_diff_new_old']:.1e}"
@@ -864,6 +868,12 @@ def fmt_row(r, bw):
         )
         + f" | f64 err old {fmt_err(r.get('old_err'))} new {fmt_err(r.get('new_err'))}"
     )
+
+
+def host_ratio(r) -> str:
+    """The decode call's host time over FlashAttention's call's, same case."""
+    new, fa = r.get("new_host_us"), r.get("fa_host_us")
+    return f"{new / fa:.1f}x" if new and fa else "n/a"
 
 
 ERR_LIMIT = 1e-2  # bf16 output of an fp32-internal kernel: ~4e-3 at most
@@ -906,6 +916,7 @@ def markdown(meta, rows, bw):
             "new µs (% BW)",
             "new stage 1",
             "new host µs",
+            "host new/FA",
             "FA/new",
             "FA/old",
             "new vs old",
@@ -925,6 +936,7 @@ def markdown(meta, rows, bw):
             f"{fmt_us(old)} ({fmt_pct(pct(r['bytes'], old, bw))}) | "
             f"{fmt_us(new)} ({fmt_pct(pct(r['bytes'], new, bw))}) | "
             f"{r.get('stage1') or 'n/a'} | {fmt_us(r.get('new_host_us'))} | "
+            f"{host_ratio(r)} | "
             f"{f'{fa / new:.2f}x' if fa and new else 'n/a'} | "
             f"{f'{fa / old:.2f}x' if fa and old else 'n/a'} | "
             f"{f'{old / new:.1f}x' if old and new else 'n/a'} | "

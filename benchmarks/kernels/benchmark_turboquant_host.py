@@ -57,9 +57,11 @@ STEPS = {
     # for 25 ms of kernels (H100, release 20's interleaved first-token run).
     "first-token": dict(decodes=0, context=0, prefills=32, prefill_len=64),
 }
-# GPU cycles the sleeping kernel spins (~60 ms on an H100 at 1.7 GHz): longer
-# than the host takes to enqueue CALLS calls of any configuration here.
-SLEEP_CYCLES = 100_000_000
+# GPU cycles the sleeping kernel spins (~240 ms on an H100 at 1.7 GHz): longer
+# than the host takes to enqueue CALLS calls of any configuration here, also
+# on a host busy with other work (a mixed step's 20 calls took 80 ms beside
+# the GPU gate on an H200 host, past the 60 ms that 100M cycles gave).
+SLEEP_CYCLES = 400_000_000
 CALLS = 20
 # Rounds of CALLS calls; the medians are reported (host time varies by
 # +-15 % between rounds on a shared host).

@@ -41,6 +41,7 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
             new_host_us=315.0,
             stage1="gluon",
             fa_us=199.6,
+            fa_host_us=30.0,
             rel_diff_new_old=3.1e-3,
             old_err=1.8e-3,
             new_err=1.8e-3,
@@ -72,9 +73,9 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
     md = _bench().markdown(META, rows, BW)
     lines = md.splitlines()
     decode = next(line for line in lines if "| k8v4 |" in line and "68.5" in line)
-    assert "| 206.6 (33%) | gluon | 315.0 | 0.97x |" in decode
+    assert "| 206.6 (33%) | gluon | 315.0 | 10.5x | 0.97x |" in decode
     failed = next(line for line in lines if "| 4bit_nc |" in line)
-    assert "| n/a (n/a) | n/a | n/a |" in failed
+    assert "| n/a (n/a) | n/a | n/a | n/a |" in failed
     assert "## Default stage 1 at other split counts" in md
     assert (
         "| Qwen3-4B 16 x 8192 | k8v4 | 128 | gluon | 168 | 150.0 | 46% | 2.0e-03 |"

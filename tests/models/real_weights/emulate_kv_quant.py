@@ -26,8 +26,9 @@ fp8 overflow count), and ``--fixes`` adds key variants (``mean``: subtract
 the per-layer key mean computed over the window before quantizing, which
 softmax ignores; ``sign``: random +-1 signs before the Hadamard; ``chan``:
 per-channel RMS scaling before rotation; ``sink``: keep the first 4 tokens
-unquantized; ``mean512``: the mean of the first 512 keys only; ``kscale``: the
-product's per-channel key scale from ``k_norm``, ``turboquant.key_scale``).
+unquantized; ``mean512``: the mean of the first 512 keys only; ``calib``: the
+per-head key mean of another text, ``--calib-file``, run once raw; ``kscale``:
+the product's per-channel key scale from ``k_norm``, ``turboquant.key_scale``).
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
 perplexity, for the retrieval step alone: the prompt attends raw, and the rows
 that predict the teacher-forced answer read its keys and values quantized.
@@ -138,6 +139,7 @@ class Emu:
         self.signs: dict[int, torch.Tensor] = {}
         self.capture: dict[int, tuple] | None = None
         self.key_scale: dict[int, torch.Tensor] = {}
+        self.calib: dict[int, torch.Tensor] = {}  # layer -> [Hk, 1, D] key mean
         # Needle mode: quantize only what the answer rows read (None: every
         # row reads earlier chunks quantized, as chunked prefill does).
         self.answer_from: int | None = None
@@ -155,12 +157,13 @@ class Emu:
                 (torch.randint(0, 2, (k.shape[-1],), generator=g) * 2 - 1).double(),
             )
             return quant_keys_mse(k, self.kbits, self.nc, s)
-        if fix in ("mean", "mean512"):
+        if fix in ("mean", "mean512", "calib"):
             # softmax ignores a key offset common to all keys; "mean" takes it
             # over the window (an oracle), "mean512" over the first 512 keys
-            # only (known after the first chunk).
+            # only (known after the first chunk), "calib" from another text
+            # (known before serving).
             kk = k.double() if fix == "mean" else k.double()[..., :512, :]
-            mu = kk.mean(-2, keepdim=True)
+            mu = self.calib[layer] if fix == "calib" else kk.mean(-2, keepdim=True)
             return quant_keys_mse(k.double() - mu, self.kbits, self.nc) + mu
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
@@ -494,7 +497,9 @@ def needle_prompt(lm, tokenizer, case):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    EMU.answer_from = None
+    # No quantized layers: the previous configuration's would otherwise run
+    # the prompt chunk-quantized (and slowly) for every case but the first.
+    EMU.answer_from, EMU.layers = None, set()
     lm.model(input_ids=torch.tensor([case.prompt]), past_key_values=cache)
     return cache, needle_answer(tokenizer, case)
 
@@ -554,8 +559,17 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--per-layer", action="store_true", help="also each layer alone")
     ap.add_argument(
-        "--fixes", default="", help="comma list: mean,sign,chan,sink,kscale"
+        "--fixes",
+        default="",
+        help="comma list: mean,mean512,calib,sign,chan,sink,kscale",
     )
+    ap.add_argument(
+        "--calib-file",
+        default="/usr/share/common-licenses/Apache-2.0",
+        metavar="FILE",
+        help="for the calib fix: the text whose key means are subtracted",
+    )
+    ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--stats", action="store_true")
     ap.add_argument(
         "--bf16",
@@ -648,6 +662,18 @@ def main(argv=None) -> int:
 
     results = {}
     base_greedy = []
+    if "calib" in args.fixes.split(","):
+        # Post-RoPE keys as cached, of a text that is not the evaluated one,
+        # attended raw; only the layers that capture (full attention) count.
+        text = Path(args.calib_file).read_text(errors="replace")
+        ids = torch.tensor([tok(text).input_ids[: args.calib_tokens]])
+        EMU.capture, EMU.layers = {}, set()
+        lm.model(input_ids=ids)
+        EMU.calib = {
+            li: c[1].double().mean(-2, keepdim=True) for li, c in EMU.capture.items()
+        }
+        EMU.capture = None
+        print(f"calib: {ids.shape[1]} tokens of {args.calib_file}")
     if args.stats:
         EMU.stats = {}
         EMU.layers = set()

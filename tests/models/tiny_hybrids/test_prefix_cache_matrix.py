@@ -54,6 +54,29 @@ def test_engine_plan_brings_cold_engines_first_and_all_cells_last():
         assert not c.cold().prefix_caching and c.prefix_caching
 
 
+@pytest.mark.parametrize("warm_order", [True, False])
+def test_engines_wait_for_a_warm_compile_cache_unless_told_not_to(
+    monkeypatch, warm_order
+):
+    from . import scheduling
+
+    groups = {}
+
+    def run_grouped(items, group, run, jobs):
+        groups.update({c.name: group(c) for c in items})
+        return []
+
+    monkeypatch.setattr(scheduling, "run_grouped", run_grouped)
+    engines = pcm.engine_plan(pcm.select(pcm.cells(), "qwen3_next.turboquant_4bit_nc"))
+    args = pcm.parse_args(["out"] + ([] if warm_order else ["--no-warm-order"]))
+    pcm.run_engines(engines, CKPTS, args, None, 0.0)
+    if warm_order:  # per (model, kv), engines queue behind the first
+        pairs = {(e.model, e.kv) for e in engines}
+        assert len(set(groups.values())) == len(pairs) < len(engines)
+    else:
+        assert len(set(groups.values())) == len(engines) > 1
+
+
 def test_only_narrows_and_keeps_what_a_cell_is_compared_with():
     chosen = pcm.select(pcm.cells(), "qwen3_5.turboquant_4bit_nc.mtp.align")
     assert [c.name for c in chosen] == ["qwen3_5.turboquant_4bit_nc.mtp.align"]

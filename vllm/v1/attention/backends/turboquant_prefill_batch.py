@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.triton_utils import triton
+from vllm.triton_utils.compiled_launch import launcher
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.ops.triton_turboquant_decode import (
     _tq_full_dequant_kv,
@@ -203,7 +204,7 @@ def _dequantize_cached(
     layout = config_slot_layout(cfg)
     k16 = torch.empty(cached, Hk, D, dtype=torch.float16, device=kv_cache.device)
     v16 = torch.empty_like(k16)
-    _tq_full_dequant_kv[(cached, Hk)](
+    launcher(_tq_full_dequant_kv)[(cached, Hk)](
         kv_cache,
         block_row,
         centroids,

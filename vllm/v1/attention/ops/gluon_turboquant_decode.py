@@ -59,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.logger import init_logger
+from vllm.triton_utils.compiled_launch import ByIdentity, launcher
 from vllm.v1.attention.ops.turboquant_device import programmatic_launch
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     slot_layout,
@@ -1364,8 +1365,11 @@ def stage1(
 def _launch(
     kernel, grid: tuple[int, ...], args: tuple, constexprs: Mapping[str, object]
 ):
-    kernel[grid](
+    # The mappings come from _constexprs, kept for the process's life.
+    launcher(kernel).launch(
+        grid,
         *args,
+        variant=ByIdentity(constexprs),
         **constexprs,
         num_warps=constexprs["W"],
         maxnreg=MAX_REGISTERS,

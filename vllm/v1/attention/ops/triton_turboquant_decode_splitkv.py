@@ -44,6 +44,7 @@ query token of a request) and CUDA-graph padding rows (seq_len 0, output 0).
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.triton_utils.compiled_launch import launcher
 from vllm.v1.attention.ops.turboquant_device import (
     programmatic_launch,
     use_fp8_e4b15,
@@ -764,7 +765,7 @@ def stage1(
     launch_opts = {"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}
     word16 = words_aligned(kv_cache)
     unit = 2 if word16 else 1
-    _tq_decode_split_stage1[(Hk, B, num_splits)](
+    launcher(_tq_decode_split_stage1)[(Hk, B, num_splits)](
         q_in,
         kv_cache,
         kv_cache.view(torch.int16) if word16 else kv_cache,
@@ -799,7 +800,7 @@ def merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor
     if num_splits > 1:
         B, Hq, D = out.shape[0], out.shape[1], out.shape[2]
         pdl = programmatic_launch(out.device)
-        _tq_decode_split_merge[(Hq, B)](
+        launcher(_tq_decode_split_merge)[(Hq, B)](
             mid,
             out,
             num_splits,

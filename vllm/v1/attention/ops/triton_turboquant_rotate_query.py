@@ -16,6 +16,7 @@ so the result agrees to fp32 rounding.
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.triton_utils.compiled_launch import launcher
 from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
 
 
@@ -63,7 +64,7 @@ def rotate_query(
         query = query.contiguous()
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=query.device)
     if B * Hq:
-        _tq_rotate_query[(B * Hq,)](
+        launcher(_tq_rotate_query)[(B * Hq,)](
             query,
             PiT,
             PiT if key_scale is None else key_scale,

@@ -33,6 +33,7 @@ and value routine reading the views in place (bytes equal to 0.20.2's).
 import torch
 
 from vllm.triton_utils import tl, triton
+from vllm.triton_utils.compiled_launch import launcher
 from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15
 from vllm.v1.attention.ops.triton_turboquant_store import (
     _store_quantized_value,
@@ -237,7 +238,7 @@ def turboquant_store_hadamard(
     if key_scale is not None:
         _check_key_scale(key_scale, D)
     layout = slot_layout(D, False, mse_bits, value_quant_bits)
-    _tq_store_mse_hadamard[(N * H,)](
+    launcher(_tq_store_mse_hadamard)[(N * H,)](
         key,
         value,
         PiT,
@@ -309,7 +310,7 @@ def turboquant_store(
     pow2 = D >= 16 and not D & (D - 1)
     if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
         val_bytes = slot_layout(D, True, 0, value_quant_bits).value_index_bytes
-        _tq_store_fp8_strided[(N * H,)](
+        launcher(_tq_store_fp8_strided)[(N * H,)](
             key,
             value,
             kv_cache,

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``CompiledLaunch`` reuses a compiled kernel only for a launch the JIT
+would send to that same kernel.
+
+Runs without a GPU: the kernel is a real ``JITFunction`` with Triton's own
+argument binder (the backend's ``specialize_impl`` judges every argument, as
+in a launch); only the device side is a stand-in: the JIT's launch records
+what it would compile and returns a compiled kernel whose ``run`` records
+the arguments it would launch with.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.compiler import CompiledKernel  # noqa: E402
+from triton.runtime import jit  # noqa: E402
+
+from vllm.triton_utils import compiled_launch  # noqa: E402
+
+
+def _copy(X, Y, n, stride, BLOCK: tl.constexpr):
+    pass
+
+
+class _Driver:
+    """The two driver calls a launch makes."""
+
+    @staticmethod
+    def get_current_device():
+        return 0
+
+    @staticmethod
+    def get_current_stream(device):
+        return 1234
+
+
+class _Active:
+    active = _Driver()
+
+
+class _Rig:
+    def __init__(self, monkeypatch):
+        kernel = jit.JITFunction(_copy)
+        binder = jit.create_function_from_signature(
+            kernel.signature, kernel.params, BaseBackend
+        )
+        kernel.device_caches = {0: ({}, {}, None, BaseBackend, binder)}
+        self.compiles = []  # specialization of X, Y, n, stride per JIT launch
+        self.launches = []  # arguments of each direct launch
+
+        def jit_run(*args, grid, warmup, **kwargs):
+            _, spec, _ = binder(*args, **kwargs)
+            self.compiles.append(tuple(spec[:4]))
+            compiled = CompiledKernel.__new__(CompiledKernel)
+            compiled.function = "fn"
+            compiled.packed_metadata = "meta"
+            compiled.module = "module"  # handles loaded
+            compiled._run = lambda *a: self.launches.append(a)
+            return compiled
+
+        monkeypatch.setattr(kernel, "run", jit_run)
+        monkeypatch.setattr(compiled_launch, "driver", _Active)
+        self.launcher = compiled_launch.CompiledLaunch(kernel, enabled=True)
+
+    def __call__(self, x, y, n=100, stride=64, block=128):
+        self.launcher[(3,)](x, y, n, stride, BLOCK=block, num_warps=4)
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    return _Rig(monkeypatch)
+
+
+def test_a_repeated_launch_skips_the_jit(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    for _ in range(3):
+        rig(x, y)
+    assert len(rig.compiles) == 1
+    assert rig.launcher.direct == 2
+    first = rig.launches[0]
+    assert first[:3] == (3, 1, 1)
+    assert first[3:6] == (1234, "fn", "meta")
+    assert first[6:9] == (None, None, None)  # no launch metadata, no hooks
+    # Every parameter in order, the constexpr included, as the JIT passes them.
+    assert first[9:] == (x, y, 100, 64, 128)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "pointer no longer 16-byte aligned",
+        "int becomes 1",
+        "int no longer a multiple of 16",
+        "constexpr",
+    ],
+)
+def test_what_the_jit_specializes_on_compiles_again(rig, change):
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)
+    if change == "pointer no longer 16-byte aligned":
+        rig(x[1:], y)
+    elif change == "int becomes 1":
+        rig(x, y, n=1)
+    elif change == "int no longer a multiple of 16":
+        rig(x, y, stride=65)
+    else:
+        rig(x, y, block=256)
+    assert len(rig.compiles) == 2, f"{change}: reused a kernel compiled for another"
+    assert rig.launcher.direct == 0
+    if change != "constexpr":
+        assert rig.compiles[0] != rig.compiles[1]
+
+
+def test_a_value_the_jit_does_not_specialize_on_reuses(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y, n=100)
+    rig(x[4:], y, n=37)  # 16 bytes further: aligned; 37 and 100 alike
+    assert len(rig.compiles) == 1 and rig.launcher.direct == 1
+    launched = rig.launches[0]
+    assert launched[9].data_ptr() == x.data_ptr() + 16
+    assert launched[10] is y and launched[11:13] == (37, 64)
+
+
+def test_an_explicit_variant_keys_the_keyword_arguments(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    for block in (128, 256, 128):
+        rig.launcher.launch((3,), x, y, 100, 64, variant=block, BLOCK=block)
+    assert len(rig.compiles) == 2 and rig.launcher.direct == 1
+
+
+def test_launch_hooks_see_every_launch(rig, monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)
+    rig(x, y)
+    assert len(rig.compiles) == 2 and rig.launcher.direct == 0
+
+
+def test_switched_off_every_launch_goes_through_the_jit(rig):
+    rig.launcher.enabled = False
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)
+    rig(x, y)
+    assert len(rig.compiles) == 2 and rig.launcher.direct == 0
+
+
+def test_the_env_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("VLLM_TRITON_COMPILED_LAUNCH", "0")
+    assert not compiled_launch.CompiledLaunch(jit.JITFunction(_copy)).enabled
+    monkeypatch.setenv("VLLM_TRITON_COMPILED_LAUNCH", "1")
+    assert compiled_launch.CompiledLaunch(jit.JITFunction(_copy)).enabled
+
+
+def test_a_kernel_that_is_no_jit_function_is_called_as_given():
+    calls = []
+
+    class Placeholder:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    launcher = compiled_launch.CompiledLaunch(Placeholder(), enabled=True)
+    assert not launcher.enabled
+    launcher[(2,)](1, B=3)
+    assert calls == [((2,), (1,), {"B": 3})]

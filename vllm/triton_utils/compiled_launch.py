@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Launch a JIT-compiled Triton or Gluon kernel again without the JIT's
+per-launch bookkeeping.
+
+``kernel[grid](*args, **kwargs)`` binds and specializes every argument, then
+turns the specialization and every keyword argument into a string and looks
+it up, re-checks the kernel's globals and builds launch metadata for hooks.
+For a kernel with a few dozen constexprs (Gluon layouts among them) that is
+most of a launch's host time: 47-80 µs against 10-17 µs for the launch
+itself on an H100 host. Steps that no full CUDA graph covers (prefill chunks
+beside decode rows, batches above the largest graph, eager engines) pay it
+for every launch of every layer.
+
+``CompiledLaunch(kernel)[grid](*args, **kwargs)`` launches what
+``kernel[grid](*args, **kwargs)`` would. Triton stays the only compiler and
+the only judge of specialization: every launch runs the kernel's own
+argument binder, and the compiled kernel of a (device, keyword arguments,
+specialization of the positional arguments) seen before is launched
+directly; anything new goes through ``kernel[grid]``, whose compiled kernel
+is kept. ``launch(grid, *args, variant=key, **kwargs)`` takes a hashable
+``key`` that determines every keyword argument, for callers whose keyword
+values are costly to hash (``ByIdentity`` for a mapping built once per
+configuration). ``launcher(kernel)`` is the one ``CompiledLaunch`` of a
+kernel object, looked up at the launch so that a kernel replaced on its
+module (tests, benchmarks) is the one launched.
+
+The JIT's own path is taken where a launch hook is installed (profilers see
+every launch), for a callable grid, and with ``VLLM_TRITON_COMPILED_LAUNCH=0``
+(``vllm/envs.py``; A/B runs). Without Triton there is nothing to launch and
+every call goes to the kernel object, as vLLM's placeholders expect.
+"""
+
+from collections.abc import Hashable
+
+import vllm.envs as envs
+
+try:
+    from triton import knobs
+    from triton.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:
+    JITFunction = None
+
+
+class ByIdentity:
+    """A key that is one object, not its value: for a mapping of constexprs
+    built once per configuration and kept (``functools.cache``), whose
+    values (Gluon layouts) are slower to hash than the launch saves. The key
+    holds the object, so its identity is not reused while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ByIdentity) and other.obj is self.obj
+
+
+class CompiledLaunch:
+    """A JIT kernel whose repeated launches skip the JIT's bookkeeping."""
+
+    def __init__(self, kernel, enabled: bool | None = None):
+        self.kernel = kernel
+        enabled = envs.VLLM_TRITON_COMPILED_LAUNCH if enabled is None else enabled
+        self.enabled = (
+            enabled and JITFunction is not None and isinstance(kernel, JITFunction)
+        )
+        # Positional arguments must be the kernel's leading runtime
+        # parameters: the key below reads their specialization only.
+        self._constexpr = [p.is_constexpr for p in getattr(kernel, "params", ())]
+        self._compiled: dict[Hashable, object] = {}
+        self.direct = 0  # launches that skipped the JIT (tests, benchmarks)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, *args, **kwargs)
+
+    def _jit_only(self, grid, num_args: int) -> bool:
+        return (
+            not self.enabled
+            or callable(grid)
+            or bool(knobs.runtime.launch_enter_hook.calls)
+            or bool(knobs.runtime.launch_exit_hook.calls)
+            or num_args > len(self._constexpr)
+            or any(self._constexpr[:num_args])
+        )
+
+    def launch(self, grid, *args, variant: Hashable = None, **kwargs):
+        kernel = self.kernel
+        if self._jit_only(grid, len(args)):
+            return kernel[grid](*args, **kwargs)
+        device = driver.active.get_current_device()
+        binder = kernel.device_caches[device][4]
+        # The JIT adds these before binding; the binder sees the same.
+        kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        bound, specialization, _ = binder(*args, **kwargs)
+        key = (
+            device,
+            tuple(kwargs.items()) if variant is None else variant,
+            kwargs["debug"],
+            kwargs["instrumentation_mode"],
+            tuple(specialization[: len(args)]),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = kernel[grid](*args, **kwargs)
+            # Only a finished compile (not a future of an asynchronous one).
+            if isinstance(compiled, CompiledKernel):
+                self._compiled[key] = compiled
+            return compiled
+        grid = (*grid, 1, 1)
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            driver.active.get_current_stream(device),
+            compiled.function,
+            compiled.packed_metadata,
+            None,  # launch metadata: only hooks read it, and none is installed
+            None,
+            None,
+            *bound.values(),
+        )
+        self.direct += 1
+        return compiled
+
+
+_launchers: dict[int, tuple[object, CompiledLaunch]] = {}
+
+
+def launcher(kernel) -> CompiledLaunch:
+    """The ``CompiledLaunch`` of ``kernel`` (one per kernel object)."""
+    hit = _launchers.get(id(kernel))
+    if hit is None or hit[0] is not kernel:
+        hit = _launchers[id(kernel)] = (kernel, CompiledLaunch(kernel))
+    return hit[1]
