@@ -518,8 +518,7 @@ def needle_digits(lm, case, cache, answer) -> int:
         out = lm.model(input_ids=ids, past_key_values=cache).last_hidden_state
     finally:
         EMU.answer_from = None
-    logits = lm.get_output_embeddings()(out[0]).float()
-    return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
+    return _tokens_right(lm, out[0], answer)
 
 
 @torch.inference_mode()
@@ -530,7 +529,12 @@ def needle_digits_chunked(lm, case, answer) -> int:
     of the chunk, so the answer's rows read all of it quantized."""
     ids = torch.tensor([case.prompt + answer[:-1]])
     out = lm.model(input_ids=ids).last_hidden_state[0, len(case.prompt) - 1 :]
-    logits = lm.get_output_embeddings()(out).float()
+    return _tokens_right(lm, out, answer)
+
+
+def _tokens_right(lm, hidden: torch.Tensor, answer: list[int]) -> int:
+    """How many of the rows' greedy tokens are the answer's."""
+    logits = lm.get_output_embeddings()(hidden).float()
     return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
 
 
