@@ -25,12 +25,14 @@ groups (scheduling.py: no side-by-side cold compiles of the same kernels).
 A lane still running at ``--deadline`` is stopped and its unfinished cells
 count as failures: a gate that runs out of time is red, and says so.
 
-    python -m tests.gpu_gate OUTDIR [--deadline S] [--jobs N]
+    python -m tests.gpu_gate OUTDIR [--deadline S] [--jobs N] [--lanes L,...]
+    python -m tests.gpu_gate OUTDIR --combine PART_OUTDIR [PART_OUTDIR ...]
 
 Prints one table (cell, status, seconds, first root-cause line of each
 failure) and writes OUTDIR/gate.json and OUTDIR/gate.md. Exit status 0 when
-every cell passed, 1 when any failed or did not finish, 2 for bad arguments
-or a host without a GPU.
+every cell passed, 1 when any failed or did not finish (or a run of some
+lanes only), 2 for bad arguments, a host without a GPU, or parts that do not
+combine (other releases, runtimes or GPU models, a lane twice).
 """
 
 import argparse
@@ -480,6 +482,77 @@ def shown_rows(rows: list[Row]) -> list[Row]:
     return shown
 
 
+def combine(outdir: Path, parts: list[Path]) -> int:
+    """One gate record from runs of the same release that each ran some of
+    the lanes (``--lanes``), every lane once: a host with one GPU runs
+    ``spec`` in one device call and the other four in the next, because all
+    five on one GPU outlast a call. Writes OUTDIR/gate.md and gate.json as a
+    whole run does; returns the exit status (2: parts that do not combine).
+    """
+    runs = []
+    for part in parts:
+        path = part / "gate.json"
+        try:
+            runs.append((part, json.loads(path.read_text())))
+        except (OSError, ValueError) as e:
+            print(f"gpu-gate --combine: {path} is not a gate run's record ({e}); "
+                  "pass the directories gpu-gate.sh wrote ($OUT/gate)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    for key in ("vllm", "torch", "triton", "transformers"):
+        seen = {run["facts"].get(key) for _, run in runs}
+        if len(seen) > 1:
+            print(f"gpu-gate --combine: the parts ran different {key} versions "
+                  f"({', '.join(sorted(map(str, seen)))}); a gate record is one "
+                  "release on one runtime: rerun the lanes of the other",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    devices = {name for _, run in runs for name in run["facts"]["device"].split(", ")}
+    if len(devices) > 1:
+        print(f"gpu-gate --combine: the parts ran on different GPUs "
+              f"({', '.join(sorted(devices))}); combine runs of one GPU model",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    ran: dict[str, Path] = {}
+    for part, run in runs:
+        for lane in run["lanes"]:
+            if lane["name"] in ran:
+                print(f"gpu-gate --combine: lane {lane['name']} ran in both "
+                      f"{ran[lane['name']]} and {part}; each lane counts once: "
+                      "leave one of them out", file=sys.stderr)  # fmt: skip
+                return 2
+            ran[lane["name"]] = part
+    rows = [Row(**row) for _, run in runs for row in run["rows"]]
+    lanes = [
+        Lane(ln["name"], [], ln["gpu"], seconds=ln["seconds"], rc=ln["rc"])
+        for _, run in runs
+        for ln in run["lanes"]
+    ]
+    first = runs[0][1]["facts"]
+    facts = dict(
+        first,
+        date=" and ".join(run["facts"]["date"] for _, run in runs),
+        # summary_md quotes the command: each part's in its own quotes.
+        command="` then `".join(run["facts"]["command"] for _, run in runs),
+    )
+    wall = sum(run["wall"] for _, run in runs)
+    partial = set(ran) != set(LANES)
+    md = summary_md(rows, facts, lanes, wall, partial)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "gate.md").write_text(md)
+    (outdir / "gate.json").write_text(
+        json.dumps(
+            {"facts": facts, "wall": wall, "parts": [str(p) for p, _ in runs],
+             "rows": [asdict(r) for r in rows],
+             "lanes": [{"name": ln.name, "gpu": ln.gpu, "rc": ln.rc,
+                        "seconds": ln.seconds} for ln in lanes]},
+            indent=1,
+        )
+    )  # fmt: skip
+    print(md)
+    return 0 if all(r.passed for r in rows) and not partial else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.gpu_gate", description=__doc__)
     p.add_argument("outdir", type=Path)
@@ -492,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
                    "fewer make a partial run, which never reports PASS")  # fmt: skip
     p.add_argument("--tqm-only", default=None,
                    help="tqm lane: only rows whose name contains this")  # fmt: skip
+    p.add_argument("--combine", nargs="+", type=Path, default=None,
+                   metavar="PART",
+                   help="write one record from earlier runs' OUTDIRs, each "
+                   "with some lanes, every lane once (a one-GPU host: "
+                   "--lanes spec, then the other four)")  # fmt: skip
     p.add_argument("--serve-check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--suite-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8731, help=argparse.SUPPRESS)
@@ -500,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_check(args.outdir, args.port)
     if args.suite_run:
         return suite_run(args.outdir, args.jobs)
+    if args.combine:
+        return combine(args.outdir, args.combine)
     if args.deadline < 120 or args.jobs < 1:
         p.error("--deadline must be >= 120 seconds and --jobs >= 1")
     chosen = args.lanes.split(",")
@@ -522,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
         if lane.name in chosen
     ]
     print(f"gpu-gate: {gpus} GPU(s), deadline {args.deadline:.0f}s", flush=True)
+    if gpus == 1 and not partial:
+        print("gpu-gate: one GPU: the five lanes together need about twice the "
+              "time they take on two (about 800 s on an H200); where a call is "
+              "shorter, run --lanes spec and --lanes kernels,tqm,suite,serve in "
+              "two calls and --combine their OUTDIRs", flush=True)  # fmt: skip
     run_lanes(lanes, args.outdir, args.deadline, t0)
     readers = {
         "spec": lambda lane: spec_rows(args.outdir / "spec" / "matrix.json", lane),

@@ -169,3 +169,13 @@ def test_a_kernel_that_is_no_jit_function_is_called_as_given():
     assert not launcher.enabled
     launcher[(2,)](1, B=3)
     assert calls == [((2,), (1,), {"B": 3})]
+
+
+def test_each_kernel_object_has_one_launcher(monkeypatch):
+    """A kernel replaced on its module (tests, benchmarks) gets its own."""
+    monkeypatch.setattr(compiled_launch, "_launchers", {})
+    kernel, replacement = jit.JITFunction(_copy), jit.JITFunction(_copy)
+    first = compiled_launch.launcher(kernel)
+    assert compiled_launch.launcher(kernel) is first
+    assert first.kernel is kernel
+    assert compiled_launch.launcher(replacement).kernel is replacement

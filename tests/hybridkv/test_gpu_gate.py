@@ -154,3 +154,66 @@ def test_the_suite_runs_each_test_in_its_own_process(tmp_path, monkeypatch):
     assert [r.status for r in rows] == ["passed", "failed", "NOT FINISHED"]
     assert "wrong" in rows[1].root_cause
     assert rows[2].cell == nodes[2]
+
+
+def _part(tmp_path, name, lanes, status="passed", **facts):
+    """A gate run's record of some lanes, as main() writes it."""
+    part = tmp_path / name
+    part.mkdir()
+    facts = {"date": "2026-11-28 23:00 UTC", "device": "NVIDIA H200",
+             "vllm": "0.20.2+hybridkv.34", "torch": "2.11.0", "triton": "3.6.0",
+             "transformers": "5.17.0",
+             "command": f"bash scripts/gpu-gate.sh --lanes {','.join(lanes)}",
+             **facts}  # fmt: skip
+    rows = [{"lane": ln, "cell": f"{ln} cell", "status": status, "seconds": 1.0,
+             "root_cause": ""} for ln in lanes]  # fmt: skip
+    lanes = [{"name": ln, "gpu": 0, "rc": 0, "seconds": 100.0} for ln in lanes]
+    record = {"facts": facts, "wall": 100.0, "rows": rows, "lanes": lanes}
+    (part / "gate.json").write_text(json.dumps(record))
+    return part
+
+
+OTHER_LANES = ["kernels", "tqm", "suite", "serve"]
+
+
+def test_two_calls_of_one_gpu_combine_into_one_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(gate, "gpu_count", lambda: 0)  # combining needs no GPU
+    spec = _part(tmp_path, "a", ["spec"])
+    other = _part(tmp_path, "b", OTHER_LANES)
+    out = tmp_path / "gate"
+    assert gate.main([str(out), "--combine", str(spec), str(other)]) == 0
+    md = (out / "gate.md").read_text()
+    assert "0.20.2+hybridkv.34 — PASS" in md
+    assert "--lanes spec` then `bash scripts/gpu-gate.sh --lanes kernels" in md
+    assert "wall: 200 s" in md
+    record = json.loads((out / "gate.json").read_text())
+    assert [ln["name"] for ln in record["lanes"]] == ["spec", *OTHER_LANES]
+
+
+def test_a_combined_record_needs_every_lane_and_every_cell(tmp_path):
+    spec = _part(tmp_path, "a", ["spec"])
+    assert gate.main([str(tmp_path / "g1"), "--combine", str(spec)]) == 1
+    assert "PARTIAL RUN" in (tmp_path / "g1" / "gate.md").read_text()
+    failed = _part(tmp_path, "b", OTHER_LANES, status="failed")
+    assert gate.main([str(tmp_path / "g2"), "--combine", str(spec), str(failed)]) == 1
+    assert "— FAIL" in (tmp_path / "g2" / "gate.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (dict(lanes=["spec", "tqm"]), "lane spec ran in both"),
+        (dict(lanes=OTHER_LANES, vllm="0.20.2+hybridkv.33"), "different vllm"),
+        (dict(lanes=OTHER_LANES, device="NVIDIA H100 80GB HBM3"), "different GPUs"),
+    ],
+)
+def test_parts_that_do_not_combine_exit_2(tmp_path, capsys, second, message):
+    spec = _part(tmp_path, "a", ["spec"])
+    lanes = second.pop("lanes")
+    other = _part(tmp_path, "b", lanes, **second)
+    out = tmp_path / "gate"
+    assert gate.main([str(out), "--combine", str(spec), str(other)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+    assert gate.main([str(out), "--combine", str(tmp_path / "none")]) == 2
+    assert "not a gate run's record" in capsys.readouterr().err

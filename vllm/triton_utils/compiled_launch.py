@@ -100,13 +100,11 @@ class CompiledLaunch:
         kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         bound, specialization, _ = binder(*args, **kwargs)
-        key = (
-            device,
-            tuple(kwargs.items()) if variant is None else variant,
-            kwargs["debug"],
-            kwargs["instrumentation_mode"],
-            tuple(specialization[: len(args)]),
-        )
+        if variant is None:
+            variant = tuple(kwargs.items())
+        else:
+            variant = (variant, kwargs["debug"], kwargs["instrumentation_mode"])
+        key = (device, variant, tuple(specialization[: len(args)]))
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = kernel[grid](*args, **kwargs)
@@ -131,12 +129,13 @@ class CompiledLaunch:
         return compiled
 
 
-_launchers: dict[int, tuple[object, CompiledLaunch]] = {}
+_launchers: dict[ByIdentity, CompiledLaunch] = {}
 
 
 def launcher(kernel) -> CompiledLaunch:
     """The ``CompiledLaunch`` of ``kernel`` (one per kernel object)."""
-    hit = _launchers.get(id(kernel))
-    if hit is None or hit[0] is not kernel:
-        hit = _launchers[id(kernel)] = (kernel, CompiledLaunch(kernel))
-    return hit[1]
+    key = ByIdentity(kernel)
+    hit = _launchers.get(key)
+    if hit is None:
+        hit = _launchers[key] = CompiledLaunch(kernel)
+    return hit

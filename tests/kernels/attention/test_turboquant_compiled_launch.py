@@ -59,7 +59,7 @@ def _step(preset: str, rows: int):
 def fresh_launchers(monkeypatch):
     """Nothing an earlier test compiled is launched directly here: each
     test's first step goes through the JIT (whose own cache it may hit)."""
-    for _, launch in compiled_launch._launchers.values():
+    for launch in compiled_launch._launchers.values():
         monkeypatch.setattr(launch, "_compiled", {})
 
 
@@ -93,7 +93,7 @@ def test_direct_launches_compute_the_jits_bits(preset, monkeypatch):
     step = _step(preset, 64)
     step()
     direct = step()
-    for _, launch in compiled_launch._launchers.values():
+    for launch in compiled_launch._launchers.values():
         monkeypatch.setattr(launch, "enabled", False)
     through_jit = step()
     assert not torch.isnan(direct).any()

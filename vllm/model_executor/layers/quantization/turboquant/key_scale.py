@@ -104,6 +104,12 @@ def _attention_key_scale(module: nn.Module, head_dim: int) -> torch.Tensor | Non
     return key_channel_scale(multiplier, rotary_dim, is_neox)
 
 
+def layer_key_scale(layer: nn.Module) -> torch.Tensor | None:
+    """The key scale ``bind_key_scales`` gave ``layer``; None where its keys
+    are stored unscaled."""
+    return getattr(layer, "_tq_key_scale", None)
+
+
 def bind_key_scales(model: nn.Module, device: torch.device | None = None) -> int:
     """Give every TurboQuant attention layer with MSE keys under a per-head
     ``k_norm`` its key scale (``layer._tq_key_scale``, on ``device`` where
