@@ -482,6 +482,32 @@ def shown_rows(rows: list[Row]) -> list[Row]:
     return shown
 
 
+def write_record(
+    outdir: Path,
+    rows: list[Row],
+    facts: dict,
+    lanes: list[Lane],
+    wall: float,
+    partial: bool,
+    **extra,
+) -> int:
+    """Write OUTDIR/gate.md and gate.json, print the summary and return the
+    exit status: 0 only for a whole run whose every cell passed."""
+    md = summary_md(rows, facts, lanes, wall, partial)
+    (outdir / "gate.md").write_text(md)
+    (outdir / "gate.json").write_text(
+        json.dumps(
+            {"facts": facts, "wall": wall, **extra,
+             "rows": [asdict(r) for r in rows],
+             "lanes": [{"name": ln.name, "gpu": ln.gpu, "rc": ln.rc,
+                        "seconds": ln.seconds} for ln in lanes]},
+            indent=1,
+        )
+    )  # fmt: skip
+    print(md)
+    return 0 if all(r.passed for r in rows) and not partial else 1
+
+
 def combine(outdir: Path, parts: list[Path]) -> int:
     """One gate record from runs of the same release that each ran some of
     the lanes (``--lanes``), every lane once: a host with one GPU runs
@@ -537,20 +563,9 @@ def combine(outdir: Path, parts: list[Path]) -> int:
     )
     wall = sum(run["wall"] for _, run in runs)
     partial = set(ran) != set(LANES)
-    md = summary_md(rows, facts, lanes, wall, partial)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "gate.md").write_text(md)
-    (outdir / "gate.json").write_text(
-        json.dumps(
-            {"facts": facts, "wall": wall, "parts": [str(p) for p, _ in runs],
-             "rows": [asdict(r) for r in rows],
-             "lanes": [{"name": ln.name, "gpu": ln.gpu, "rc": ln.rc,
-                        "seconds": ln.seconds} for ln in lanes]},
-            indent=1,
-        )
-    )  # fmt: skip
-    print(md)
-    return 0 if all(r.passed for r in rows) and not partial else 1
+    parts_ran = [str(p) for p, _ in runs]
+    return write_record(outdir, rows, facts, lanes, wall, partial, parts=parts_ran)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,18 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = host_facts()
     given = [a for a in (argv or sys.argv[1:]) if a != str(args.outdir)]
     facts["command"] = " ".join(["bash scripts/gpu-gate.sh", *given])
-    md = summary_md(rows, facts, lanes, wall, partial)
-    (args.outdir / "gate.md").write_text(md)
-    (args.outdir / "gate.json").write_text(
-        json.dumps(
-            {"facts": facts, "wall": wall, "rows": [asdict(r) for r in rows],
-             "lanes": [{"name": ln.name, "gpu": ln.gpu, "rc": ln.rc,
-                        "seconds": ln.seconds} for ln in lanes]},
-            indent=1,
-        )
-    )  # fmt: skip
-    print(md)
-    return 0 if all(r.passed for r in rows) and not partial else 1
+    return write_record(args.outdir, rows, facts, lanes, wall, partial)
 
 
 if __name__ == "__main__":
