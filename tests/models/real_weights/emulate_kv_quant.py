@@ -27,8 +27,12 @@ the per-layer key mean computed over the window before quantizing, which
 softmax ignores; ``sign``: random +-1 signs before the Hadamard; ``chan``:
 per-channel RMS scaling before rotation; ``sink``: keep the first 4 tokens
 unquantized; ``mean512``: the mean of the first 512 keys only; ``calib``: the
-per-head key mean of another text, ``--calib-file``, run once raw; ``kscale``:
-the product's per-channel key scale from ``k_norm``, ``turboquant.key_scale``).
+per-head key mean of another text, ``--calib-file``, run once raw, or of
+random ids, ``--calib-ids random``; ``calib0``: calib but the sequence's first
+key quantized unshifted; ``calibraw``: calib, first key raw; ``calibks0``:
+calib0 with kscale; ``calibmin``/``calibksmin``: key 0 per head shifted or not,
+whichever is shorter; ``kscale``: the product's per-channel key scale from
+``k_norm``, ``turboquant.key_scale``).
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
 perplexity, for the retrieval step alone: the prompt attends raw, and the rows
 that predict the teacher-forced answer read its keys and values quantized.
@@ -157,14 +161,45 @@ class Emu:
                 (torch.randint(0, 2, (k.shape[-1],), generator=g) * 2 - 1).double(),
             )
             return quant_keys_mse(k, self.kbits, self.nc, s)
-        if fix in ("mean", "mean512", "calib"):
+        if fix in ("mean", "mean512") or fix.startswith("calib"):
             # softmax ignores a key offset common to all keys; "mean" takes it
             # over the window (an oracle), "mean512" over the first 512 keys
-            # only (known after the first chunk), "calib" from another text
-            # (known before serving).
+            # only (known after the first chunk), "calib*" from another text
+            # or random ids (known before serving). k is the whole sequence
+            # from position 0 (a window, or the needle's cached prompt), so
+            # index 0 below is the sequence's first key, not a chunk's.
             kk = k.double() if fix == "mean" else k.double()[..., :512, :]
-            mu = self.calib[layer] if fix == "calib" else kk.mean(-2, keepdim=True)
-            return quant_keys_mse(k.double() - mu, self.kbits, self.nc) + mu
+            calib = fix.startswith("calib")
+            mu = self.calib[layer] if calib else kk.mean(-2, keepdim=True)
+            # calibks0: with the product's key scale, as "kscale" applies it.
+            scaled = fix in ("calibks0", "calibksmin")
+            s = self.key_scale[layer].double() if scaled else 1.0
+            out = quant_keys_mse((k.double() - mu) / s, self.kbits, self.nc) * s + mu
+            # Key 0 (SmolLM2's attention sink) is short and points away from
+            # the mean, so the shift triples its norm-relative error.
+            if fix == "calibraw":  # an upper bound: key 0 kept raw
+                out[..., :1, :] = k[..., :1, :].double()
+            elif fix in ("calib0", "calibks0"):
+                # Key 0 quantized unshifted: its score is q.k0_hat. A product
+                # storing key 0 unshifted and later keys shifted gets exactly
+                # this if its decode subtracts q.mu from key 0's score alone
+                # (one dot product per query; equivalently adds q.mu to every
+                # later key's): softmax's shift invariance holds exactly.
+                k0 = k[..., :1, :].double() / s
+                out[..., :1, :] = quant_keys_mse(k0, self.kbits, self.nc) * s
+            elif fix in ("calibmin", "calibksmin"):
+                # Per KV head, key 0 stored shifted or not, whichever is shorter
+                # (its error scales with its length): Gemma's first key is
+                # nearer the mean than the origin, SmolLM2's mostly the other
+                # way. A store can choose per slot and mark the choice (the
+                # key norm's sign bit, never set otherwise) for the decode.
+                k0 = k[..., :1, :].double()
+                plain = quant_keys_mse(k0 / s, self.kbits, self.nc) * s
+                keep = (k0 / s).norm(dim=-1, keepdim=True) < (
+                    (k0 - mu) / s
+                ).norm(dim=-1, keepdim=True)
+                out[..., :1, :] = torch.where(keep, plain, out[..., :1, :])
+            return out
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
             return quant_keys_mse(k.double() / r, self.kbits, self.nc) * r
@@ -565,7 +600,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fixes",
         default="",
-        help="comma list: mean,mean512,calib,sign,chan,sink,kscale",
+        help="comma list: mean,mean512,calib,calib0,calibraw,calibks0,calibmin,"
+        "calibksmin,sign,chan,sink,kscale",
     )
     ap.add_argument(
         "--calib-file",
@@ -574,6 +610,13 @@ def main(argv=None) -> int:
         help="for the calib fix: the text whose key means are subtracted",
     )
     ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--calib-ids",
+        choices=["text", "random"],
+        default="text",
+        help="calibrate on --calib-file (text) or on --calib-tokens uniform "
+        "random token ids (random: no text needed)",
+    )
     ap.add_argument("--stats", action="store_true")
     ap.add_argument(
         "--bf16",
@@ -666,18 +709,30 @@ def main(argv=None) -> int:
 
     results = {}
     base_greedy = []
-    if "calib" in args.fixes.split(","):
+    if any(f.startswith("calib") for f in args.fixes.split(",")):
         # Post-RoPE keys as cached, of a text that is not the evaluated one,
         # attended raw; only the layers that capture (full attention) count.
-        text = Path(args.calib_file).read_text(errors="replace")
-        ids = torch.tensor([tok(text).input_ids[: args.calib_tokens]])
+        if args.calib_ids == "random":
+            # No text at all: uniform random ids after the tokenizer's own
+            # prefix (Gemma's BOS, as tok(text) adds), special ids left out.
+            prefix = tok("").input_ids
+            vocab = min(len(tok), lm.get_input_embeddings().num_embeddings)
+            allowed = torch.tensor(sorted(set(range(vocab)) - set(tok.all_special_ids)))
+            g = torch.Generator().manual_seed(0)
+            pick = torch.randint(0, len(allowed), (args.calib_tokens,), generator=g)
+            ids = prefix + allowed[pick].tolist()
+            source = f"uniform random ids (seed 0, {len(allowed)} non-special)"
+        else:
+            text = Path(args.calib_file).read_text(errors="replace")
+            ids, source = tok(text).input_ids, args.calib_file
+        ids = torch.tensor([ids[: args.calib_tokens]])
         EMU.capture, EMU.layers = {}, set()
         lm.model(input_ids=ids)
         EMU.calib = {
             li: c[1].double().mean(-2, keepdim=True) for li, c in EMU.capture.items()
         }
         EMU.capture = None
-        print(f"calib: {ids.shape[1]} tokens of {args.calib_file}")
+        print(f"calib: {ids.shape[1]} tokens of {source}")
     if args.stats:
         EMU.stats = {}
         EMU.layers = set()

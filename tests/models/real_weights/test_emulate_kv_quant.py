@@ -6,11 +6,15 @@
 the rows that predict the answer read the cache quantized. The prompt once
 ran with the previous configuration's quantized layers still set, so every
 case but the first of a run measured a chunk-quantized prefill and a
-configuration's result depended on the one before it."""
+configuration's result depended on the one before it.
+
+``calib0``/``calibks0``/``calibraw`` treat the sequence's first key apart
+from calib's shift."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.models.real_weights import emulate_kv_quant as emu
 
@@ -33,3 +37,48 @@ def test_the_needle_prompt_runs_with_no_quantized_layer(monkeypatch):
     _, answer = emu.needle_prompt(lm, tokenizer, case)
     assert seen == [(set(), None)]
     assert answer == [ord(" "), ord("4"), ord("2")]
+
+
+@pytest.mark.parametrize("fix", ["calib0", "calibks0"])
+def test_calib_variants_treat_the_first_key_apart(fix):
+    """calib0 (calibks0: with a key scale) = no fix (kscale) for the
+    sequence's first key, calib's shift (with the scale) for every other;
+    calibraw = calib with the first key raw."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 5, 64, generator=g)
+    mu = torch.randn(2, 1, 64, generator=g).double()
+    s = torch.rand(64, generator=g).double() + 0.5
+    e = emu.Emu()
+    e.fix = fix
+    e.kbits, e.nc, e.calib, e.key_scale = 3, True, {7: mu}, {7: s}
+    if fix == "calib0":
+        s = torch.ones(64, dtype=torch.float64)
+    got = e.quant_k(k, 7)
+    kd = k.double()
+    shifted = emu.quant_keys_mse((kd - mu) / s, 3, True) * s + mu
+    assert torch.equal(got[:, 0], (emu.quant_keys_mse(kd / s, 3, True) * s)[:, 0])
+    assert torch.equal(got[:, 1:], shifted[:, 1:])
+    assert not torch.allclose(got[:, 0], shifted[:, 0])
+    e.fix = "calibraw"
+    raw = e.quant_k(k, 7)
+    assert torch.equal(raw[:, 0], kd[:, 0])
+    assert torch.equal(raw[:, 1:], emu.quant_keys_mse(kd - mu, 3, True)[:, 1:] + mu)
+
+
+def test_calibmin_stores_the_first_key_the_shorter_way():
+    """Per KV head, key 0 shifted where it lies nearer the mean than the
+    origin, unshifted where nearer the origin; later keys always shifted."""
+    g = torch.Generator().manual_seed(1)
+    mu = 4 * torch.randn(2, 1, 64, generator=g).double()
+    k = torch.randn(2, 5, 64, generator=g)
+    k[0, 0] = (mu[0, 0] + 0.1 * torch.randn(64, generator=g)).float()  # near mu
+    k[1, 0] = 0.1 * torch.randn(64, generator=g)  # near the origin
+    e = emu.Emu()
+    e.fix, e.kbits, e.nc, e.calib = "calibmin", 3, True, {7: mu}
+    got = e.quant_k(k, 7)
+    kd = k.double()
+    shifted = emu.quant_keys_mse(kd - mu, 3, True) + mu
+    plain = emu.quant_keys_mse(kd, 3, True)
+    assert torch.equal(got[0, 0], shifted[0, 0])
+    assert torch.equal(got[1, 0], plain[1, 0])
+    assert torch.equal(got[:, 1:], shifted[:, 1:])
