@@ -195,9 +195,9 @@ class Emu:
                 # key norm's sign bit, never set otherwise) for the decode.
                 k0 = k[..., :1, :].double()
                 plain = quant_keys_mse(k0 / s, self.kbits, self.nc) * s
-                keep = (k0 / s).norm(dim=-1, keepdim=True) < (
-                    (k0 - mu) / s
-                ).norm(dim=-1, keepdim=True)
+                keep = (k0 / s).norm(dim=-1, keepdim=True) < ((k0 - mu) / s).norm(
+                    dim=-1, keepdim=True
+                )
                 out[..., :1, :] = torch.where(keep, plain, out[..., :1, :])
             return out
         if fix == "chan":
