@@ -171,34 +171,32 @@ class Emu:
             kk = k.double() if fix == "mean" else k.double()[..., :512, :]
             calib = fix.startswith("calib")
             mu = self.calib[layer] if calib else kk.mean(-2, keepdim=True)
-            # calibks0: with the product's key scale, as "kscale" applies it.
-            scaled = fix in ("calibks0", "calibksmin")
-            s = self.key_scale[layer].double() if scaled else 1.0
+            # calibks*: with the product's key scale, as "kscale" applies it.
+            s = self.key_scale[layer].double() if fix.startswith("calibks") else 1.0
             out = quant_keys_mse((k.double() - mu) / s, self.kbits, self.nc) * s + mu
             # Key 0 (SmolLM2's attention sink) is short and points away from
             # the mean, so the shift triples its norm-relative error.
             if fix == "calibraw":  # an upper bound: key 0 kept raw
                 out[..., :1, :] = k[..., :1, :].double()
-            elif fix in ("calib0", "calibks0"):
-                # Key 0 quantized unshifted: its score is q.k0_hat. A product
-                # storing key 0 unshifted and later keys shifted gets exactly
-                # this if its decode subtracts q.mu from key 0's score alone
-                # (one dot product per query; equivalently adds q.mu to every
-                # later key's): softmax's shift invariance holds exactly.
-                k0 = k[..., :1, :].double() / s
-                out[..., :1, :] = quant_keys_mse(k0, self.kbits, self.nc) * s
-            elif fix in ("calibmin", "calibksmin"):
-                # Per KV head, key 0 stored shifted or not, whichever is shorter
-                # (its error scales with its length): Gemma's first key is
-                # nearer the mean than the origin, SmolLM2's mostly the other
-                # way. A store can choose per slot and mark the choice (the
-                # key norm's sign bit, never set otherwise) for the decode.
+            elif fix in ("calib0", "calibks0", "calibmin", "calibksmin"):
+                # Key 0 quantized unshifted ("0": always; "min": per KV head
+                # where that vector is the shorter, the error scaling with
+                # the length; Gemma's first key lies nearer the mean than the
+                # origin, SmolLM2's mostly the other way). Its score is then
+                # q.k0_hat, every later key's carries -q.mu: a decode that
+                # subtracts q.mu from an unshifted key 0's score alone (one
+                # dot product per query; a store marks the choice, e.g. in
+                # the key norm's sign bit) keeps softmax's shift invariance.
                 k0 = k[..., :1, :].double()
                 plain = quant_keys_mse(k0 / s, self.kbits, self.nc) * s
                 keep = (k0 / s).norm(dim=-1, keepdim=True) < ((k0 - mu) / s).norm(
                     dim=-1, keepdim=True
                 )
-                out[..., :1, :] = torch.where(keep, plain, out[..., :1, :])
+                out[..., :1, :] = (
+                    plain
+                    if fix.endswith("0")
+                    else torch.where(keep, plain, out[..., :1, :])
+                )
             return out
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)

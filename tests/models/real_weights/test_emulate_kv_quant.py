@@ -8,8 +8,8 @@ ran with the previous configuration's quantized layers still set, so every
 case but the first of a run measured a chunk-quantized prefill and a
 configuration's result depended on the one before it.
 
-``calib0``/``calibks0``/``calibraw`` treat the sequence's first key apart
-from calib's shift."""
+``calib0``/``calibks0``/``calibraw``/``calibmin`` treat the sequence's first
+key apart from calib's shift."""
 
 from types import SimpleNamespace
 
