@@ -356,9 +356,22 @@ def backend_scratch(batch: int, heads: int, D: int) -> torch.Tensor:
     return torch.full(shape, float("nan"), device="cuda")
 
 
-def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new):
+def takes_key_offset(cfg) -> bool:
+    """Whether the backend stores this preset's keys with a key offset
+    (patch 0027; False on a vLLM without it)."""
+    try:
+        from vllm.model_executor.layers.quantization.turboquant import key_offset
+    except ImportError:
+        return False
+    return not cfg.key_fp8 and cfg.key_mse_bits in key_offset.OFFSET_KEY_BITS
+
+
+def tq_decode_runner(
+    q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new, **offset
+):
     """0.20.2's entry point (old) or the split-KV kernel (new), as the backend
-    calls them: the shared scratch of patch 0008 (``backend_scratch``)."""
+    calls them: the shared scratch of patch 0008 (``backend_scratch``);
+    ``offset``: the new kernel's ``key_offset``."""
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
@@ -396,6 +409,7 @@ def tq_decode_runner(q, cache, block_table, seq_lens, cfg, centroids, pit, scale
             scale,
             mid_o_buf=mid,
             max_num_kv_splits=S,
+            **offset,
         )
 
     def run():
@@ -555,6 +569,15 @@ def bench_decode(cases, presets, timer, bw, rows, log):
             old_out, old_us = guarded(timer, log, f"old {label} {preset}", old)
             new_out, new_us = guarded(timer, log, f"new {label} {preset}", new)
             new_host_us = timer.host_us if new_us is not None else None
+            offset_us = None
+            if new is not None and takes_key_offset(cfg):
+                # As the backend calls it for a layer with a key offset
+                # (patch 0027): random slots mark about half the keys.
+                shifted = tq_decode_runner(
+                    q, cache, bt, seq_lens, cfg, centroids, pit, scale, True,
+                    key_offset=torch.randn(hk, D, device="cuda"),
+                )  # fmt: skip
+                _, offset_us = guarded(timer, log, f"offset {label} {preset}", shifted)
             check_rows = sorted({0, B - 1})
             errs = {
                 name: None
@@ -582,6 +605,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     old_us=old_us,
                     new_us=new_us,
                     new_host_us=new_host_us,
+                    offset_us=offset_us,
                     stage1=stage1_of(new),
                     fa_us=fa_us,
                     fa_host_us=fa_host_us,
@@ -867,6 +891,11 @@ def fmt_row(r, bw):
             else ""
         )
         + f" | f64 err old {fmt_err(r.get('old_err'))} new {fmt_err(r.get('new_err'))}"
+        + (
+            f" | key offset {fmt_us(r['offset_us'])} ({r['offset_us'] / new:.3f}x)"
+            if r.get("offset_us") and new
+            else ""
+        )
     )
 
 
@@ -943,6 +972,22 @@ def markdown(meta, rows, bw):
             f"{'n/a' if diff is None else f'{diff:.1e}'} | "
             f"{fmt_err(r.get('old_err'))} | {fmt_err(r.get('new_err'))} |"
         )
+    offset_rows = [r for r in rows if r["kind"] == "decode" and r.get("offset_us")]
+    if offset_rows:
+        out += [
+            "",
+            "3-bit keys with a key offset (patch 0027: marked keys' scores shifted),"
+            " against the same decode without one:",
+            "",
+            *table_head("case", "batch x context", "KV", "new µs", "with offset µs",
+                        "ratio"),
+        ]  # fmt: skip
+        for r in offset_rows:
+            out.append(
+                f"| {r['case']} {r['heads']} | {r['batch']} x {r['context']} | "
+                f"{r['kv']} | {fmt_us(r['new_us'])} | {fmt_us(r['offset_us'])} | "
+                f"{r['offset_us'] / r['new_us']:.3f}x |"
+            )
     fa_rows = [r for r in rows if r["kind"] == "decode" and r["kv"].startswith("bf16")]
     out += ["", "FA bf16 (% of copy bandwidth on its own bytes):", ""]
     for r in fa_rows:

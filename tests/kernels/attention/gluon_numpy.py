@@ -166,7 +166,7 @@ def _none(*args, **kwargs):
     return None
 
 
-def _language(pid) -> types.SimpleNamespace:
+def _language(pid, grid) -> types.SimpleNamespace:
     gl = types.SimpleNamespace(
         float16=float16,
         float32=float32,
@@ -180,11 +180,13 @@ def _language(pid) -> types.SimpleNamespace:
         constexpr=object,
         pointer_type=_PointerType,
         program_id=lambda i: _t(np.int32(pid[i])),
+        num_programs=lambda i: _t(np.int32(grid[i])),
         arange=lambda a, b, layout=None: _t(np.arange(a, b, dtype=np.int32)),
         full=lambda shape, value, dtype, layout=None: _t(
             np.full(shape, value, dtype.np)
         ),
         where=lambda c, a, b: _t(np.where(c, a, b)),
+        abs=lambda x: _t(np.abs(x)),
         maximum=lambda a, b: _t(np.maximum(a, b)),
         minimum=lambda a, b: _t(np.minimum(a, b)),
         exp2=lambda x: _t(np.exp2(x)),
@@ -343,7 +345,7 @@ def call(helper, *args, rewrite=None):
     """Run a ``gluon.jit`` helper's body on NumPy (its asm on ``ptx``, after
     ``rewrite(asm)`` where given: faults injected into the text)."""
     glb = _values(helper.fn.__globals__)
-    gl = _language((0, 0, 0))
+    gl = _language((0, 0, 0), (1, 1, 1))
     if rewrite is not None:
         gl.inline_asm_elementwise = lambda asm, *a, **k: _inline_asm_elementwise(
             rewrite(asm), *a, **k
@@ -381,7 +383,7 @@ def runner(models=None):
             for y in range(grid[1]):
                 for x in range(grid[0]):
                     glb = _values(fn.__globals__)
-                    glb["gl"] = _language((x, y, z))
+                    glb["gl"] = _language((x, y, z), grid)
                     for name, obj in list(glb.items()):
                         body = getattr(obj, "fn", None)
                         if name not in models and hasattr(body, "__code__"):

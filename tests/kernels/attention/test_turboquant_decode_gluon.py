@@ -136,8 +136,8 @@ def load_log(monkeypatch):
     log = {}
     language = gluon_numpy._language
 
-    def recording(pid):
-        gl = language(pid)
+    def recording(pid, grid):
+        gl = language(pid, grid)
         load = gl.load
         entries = log.setdefault(pid, [])
 

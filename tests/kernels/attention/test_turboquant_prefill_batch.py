@@ -184,13 +184,14 @@ def _run(
     make_kv=_exact_kv,
     key_scale=None,
     query_scale=None,
+    key_offset=None,
 ):
     """One step (by default a mixed one) through the builder and forward;
     returns the inputs and the output [tokens, HQ, D]. ``dtype``: the
     model's (bf16 holds the K/V exactly). ``step`` makes the step's metadata
     from the block table; ``make_kv(n, device)`` a sequence's K and V.
-    ``key_scale`` is the layer's (``_tq_key_scale``); the query is multiplied
-    by ``query_scale``."""
+    ``key_scale`` is the layer's (``_tq_key_scale``), ``key_offset`` its
+    ``_tq_key_offset``; the query is multiplied by ``query_scale``."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
@@ -199,6 +200,8 @@ def _run(
     layer._tq_centroids = get_centroids(D, cfg.centroid_bits).to(device)
     if key_scale is not None:
         layer._tq_key_scale = key_scale.to(device)
+    if key_offset is not None:
+        layer._tq_key_offset = key_offset.to(device).contiguous()
     pages = [math.ceil(s / PAGE) for s in seq_lens]
     cache = torch.zeros(
         sum(pages) + 1, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8

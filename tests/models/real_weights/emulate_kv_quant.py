@@ -31,7 +31,8 @@ per-head key mean of another text, ``--calib-file``, run once raw, or of
 random ids, ``--calib-ids random``; ``calib0``: calib but the sequence's first
 key quantized unshifted; ``calibraw``: calib, first key raw; ``calibks0``:
 calib0 with kscale; ``calibmin``/``calibksmin``: key 0 per head shifted or not,
-whichever is shorter; ``kscale``: the product's per-channel key scale from
+whichever is shorter; ``calibany``/``calibksany``: every key so;
+``kscale``: the product's per-channel key scale from
 ``k_norm``, ``turboquant.key_scale``).
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
 perplexity, for the retrieval step alone: the prompt attends raw, and the rows
@@ -197,6 +198,16 @@ class Emu:
                     if fix.endswith("0")
                     else torch.where(keep, plain, out[..., :1, :])
                 )
+            if fix in ("calibany", "calibksany"):
+                # Every key, not only key 0, stored the shorter way (per token
+                # and KV head): a store that needs no positions, only both
+                # norms; a decode subtracts q.mu from every marked key.
+                kd = k.double()
+                plain = quant_keys_mse(kd / s, self.kbits, self.nc) * s
+                keep = (kd / s).norm(dim=-1, keepdim=True) < ((kd - mu) / s).norm(
+                    dim=-1, keepdim=True
+                )
+                out = torch.where(keep, plain, out)
             return out
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
@@ -599,7 +610,7 @@ def main(argv=None) -> int:
         "--fixes",
         default="",
         help="comma list: mean,mean512,calib,calib0,calibraw,calibks0,calibmin,"
-        "calibksmin,sign,chan,sink,kscale",
+        "calibksmin,calibany,calibksany,sign,chan,sink,kscale",
     )
     ap.add_argument(
         "--calib-file",

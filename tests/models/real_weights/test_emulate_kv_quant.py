@@ -82,3 +82,22 @@ def test_calibmin_stores_the_first_key_the_shorter_way():
     assert torch.equal(got[0, 0], shifted[0, 0])
     assert torch.equal(got[1, 0], plain[1, 0])
     assert torch.equal(got[:, 1:], shifted[:, 1:])
+
+
+def test_calibany_stores_every_key_the_shorter_way():
+    """calibmin's rule for every key, not key 0 alone (release 35's store)."""
+    g = torch.Generator().manual_seed(2)
+    mu = 4 * torch.randn(1, 1, 64, generator=g).double()
+    k = (mu + 0.1 * torch.randn(1, 6, 64, generator=g)).float()
+    k[0, 3] = 0.1 * torch.randn(64, generator=g)  # a later key near the origin
+    e = emu.Emu()
+    e.fix, e.kbits, e.nc, e.calib = "calibany", 3, True, {7: mu}
+    got = e.quant_k(k, 7)
+    kd = k.double()
+    shifted = emu.quant_keys_mse(kd - mu, 3, True) + mu
+    plain = emu.quant_keys_mse(kd, 3, True)
+    assert torch.equal(got[0, 3], plain[0, 3])
+    rest = [0, 1, 2, 4, 5]
+    assert torch.equal(got[0, rest], shifted[0, rest])
+    e.fix = "calibmin"  # key 3 is not a sequence's first: shifted there
+    assert torch.equal(e.quant_k(k, 7)[0, 3], shifted[0, 3])

@@ -191,13 +191,14 @@ def _dequantize_cached(
     centroids: torch.Tensor,
     dtype: torch.dtype,
     key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a request's first ``cached`` tokens: [cached, Hk, D] each.
 
     0.20.2's dequantization kernel (fp16 out), written token-major; MSE keys
     are rotated back to the model's space as 0.20.2 does (``k @ Pi``), then
     multiplied by the layer's ``key_scale`` when they were stored divided
-    by it.
+    by it, and shifted back by its ``key_offset`` (``unshift_keys``).
     """
     Hk, D = kv_cache.shape[2], impl.head_size
     cfg = impl.tq_config
@@ -245,8 +246,30 @@ def _dequantize_cached(
             keys = (k16.reshape(-1, D).float() @ Pi).view_as(k16)
         if key_scale is not None:
             keys = keys * key_scale
+        if key_offset is not None:
+            keys = unshift_keys(
+                keys, kv_cache, block_row, layout.key_index_bytes, key_offset
+            )
         keys = keys.to(torch.float16)
     return keys.to(dtype), v16.to(dtype)
+
+
+def unshift_keys(
+    keys: torch.Tensor,  # [cached, Hk, D] fp32, dequantized and unscaled
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,  # [1, max_blocks]
+    norm_offset: int,  # byte offset of the fp16 key norm in a slot
+    key_offset: torch.Tensor,  # [Hk, D] fp32
+) -> torch.Tensor:
+    """The keys of a layer stored with a key offset: ``k + mu`` where the
+    store shifted the key, ``-k`` where it kept it and set the norm's sign
+    bit (0.20.2's dequantization multiplies by the signed norm)."""
+    cached, page = keys.shape[0], kv_cache.shape[1]
+    pos = torch.arange(cached, device=keys.device)
+    blocks = block_row[0, pos // page].long()
+    high = kv_cache[blocks, pos % page, :, norm_offset + 1]  # [cached, Hk]
+    marked = (high >= 0x80)[..., None]
+    return torch.where(marked, -keys, keys + key_offset)
 
 
 def warm_continuation_kernels(
@@ -293,6 +316,7 @@ def prefill_attention(
     has_flash_attn: bool,
     out: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D],
     written into ``out`` (shaped like ``query``) when given.
@@ -300,7 +324,8 @@ def prefill_attention(
     ``impl`` is the layer's ``TurboQuantAttentionImpl``: its varlen
     FlashAttention call where FlashAttention is installed, else SDPA with the
     same bottom-right-aligned causal mask. ``key_scale``: the layer's, when
-    its keys are stored divided by it (cached keys are multiplied back).
+    its keys are stored divided by it (cached keys are multiplied back);
+    ``key_offset`` the same for a layer whose keys are stored shifted.
     """
     attend: Callable[..., torch.Tensor] = (
         impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
@@ -326,6 +351,7 @@ def prefill_attention(
                     centroids,
                     k.dtype,
                     key_scale,
+                    key_offset,
                 )
                 k_all[c.row : c.row + c.cached] = ck
                 v_all[c.row : c.row + c.cached] = cv

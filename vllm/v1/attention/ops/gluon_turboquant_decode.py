@@ -760,6 +760,7 @@ def _stage1(
     Table_ptr,  # key_table() (MSE keys)
     Out_ptr,  # [B, Hq, D] written when not SPLIT
     Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32 when SPLIT
+    QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     stride_qb,
@@ -815,6 +816,9 @@ def _stage1(
     VW16: gl.constexpr,  # u16 words of a slot's values
     PAGE_AHEAD: gl.constexpr,  # a tile's block number read a tile ahead
     PDL: gl.constexpr,  # launched programmatically, before the kernel ahead ends
+    # Keys stored shifted by a per-KV-head offset, those stored unshifted
+    # marked by their norm's sign bit (``turboquant.key_offset``).
+    KEY_OFFSET: gl.constexpr,
 ):
     if PDL:
         # Launched programmatically (programmatic_launch): this grid is
@@ -904,6 +908,16 @@ def _stage1(
     l_i = gl.full([16], 0.0, gl.float32, ROW)
     z_i = gl.full([16], 0.0, gl.float32, ROW)  # sum_n p_n * zero_n
     acc = gl.full([W, 16, _SLICE], 0.0, gl.float32, MMA)
+    if KEY_OFFSET:
+        # Shifted keys score q . (k - mu): a marked key's q . k gets the same
+        # -q . mu, in log2 units. Score row r is query head r % 8 of the group.
+        h16 = gl.arange(0, 16, layout=ROW) % 8
+        qmu = gl.load(
+            QMu_ptr + row * (gl.num_programs(0) * GROUP) + kv_head * GROUP + h16,
+            mask=h16 < GROUP,
+            other=0.0,
+        )
+        qmu = qmu * qk_scale
 
     if SHIFTED:
         # Keys and values side by side (16 words a token and slice each), so
@@ -1117,7 +1131,12 @@ def _stage1(
         s8 = gl.sum(gl.reshape(s, [2, 8, 16]), axis=0)  # head + tail rows
         s = gl.reshape(gl.permute(gl.join(s8, s8), [2, 0, 1]), [16, 16])
         s = gl.convert_layout(s, S2, assert_trivial=True)
+        if KEY_OFFSET:
+            marked = factor < 0.0
+            factor = gl.abs(factor)
         s = gl.where(live[None, :], s * factor[None, :], float("-inf"))
+        if KEY_OFFSET:
+            s = s - gl.where(marked[None, :], qmu[:, None], 0.0)
 
         # ---- online softmax (every warp holds the whole score tile) ----
         # The running max m_i moves only when a row's max outgrows it by more
@@ -1197,6 +1216,7 @@ def _constexprs(
     stride_cp: int,
     pdl: bool,
     shifted: bool = False,
+    key_offset: bool = False,
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
@@ -1233,6 +1253,7 @@ def _constexprs(
             PAGE_AHEAD=value_bits == 3,
             PDL=pdl,
             SHIFTED=shifted,
+            KEY_OFFSET=key_offset,
             **launch_config(head_dim, key_fp8, word32 or shifted, mse_bits, value_bits),
         )
     )
@@ -1302,10 +1323,13 @@ def stage1(
     norm_correction: bool,
     value_bits: int = 4,
     key_tails: bool = True,
+    qmu: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
     (row, KV head) into ``mid``, or with one split the output into ``out``;
-    ``triton_turboquant_decode_splitkv.merge`` combines them."""
+    ``triton_turboquant_decode_splitkv.merge`` combines them. ``qmu``
+    ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose keys were
+    stored with an offset (``rotate_query_with_offset``)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4; the 4-bit
@@ -1327,6 +1351,7 @@ def stage1(
         table if table is not None else seq_lens,  # not read for FP8 keys
         out,
         mid,
+        mid if qmu is None else qmu,
         qk_scale,
         num_splits,
         qb,
@@ -1352,6 +1377,7 @@ def stage1(
         kv_cache.stride(1) // unit,
         programmatic_launch(q_in.device),
         shifted,
+        qmu is not None,
     )
     # A GPU hands out blocks x first, so with the splits last every (KV head,
     # row)'s first split goes out before any second one. In a batch of short

@@ -417,6 +417,7 @@ def _tq_decode_split_stage1(
     Centroids_ptr,  # [2**MSE_BITS] fp32
     Out_ptr,  # [B, Hq, D] query dtype, written when not SPLIT
     Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32, when SPLIT
+    QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     stride_qb,
@@ -446,6 +447,9 @@ def _tq_decode_split_stage1(
     NORM_CORRECTION: tl.constexpr,
     FP8_E4B15: tl.constexpr,
     WORD16: tl.constexpr,
+    # Keys stored shifted by a per-KV-head offset, those stored unshifted
+    # marked by their norm's sign bit (``turboquant.key_offset``).
+    KEY_OFFSET: tl.constexpr,
 ):
     # Splits last in the grid, as the Gluon stage 1's (see its launch).
     kv_head = tl.program_id(0)
@@ -471,6 +475,11 @@ def _tq_decode_split_stage1(
     heads = kv_head * GROUP + r8
 
     q_rows = Q_ptr + row * stride_qb + heads[:, None] * stride_qh
+    if KEY_OFFSET:
+        # Shifted keys score q . (k - mu): a marked key's q . k gets the same
+        # -q . mu, in log2 units.
+        hq = tl.num_programs(0) * GROUP
+        qmu = tl.load(QMu_ptr + row * hq + heads, mask=g_mask, other=0.0) * qk_scale
 
     pair = ((r16[:, None] == r16[None, :]) | (r16[:, None] == (r16[None, :] ^ 8))).to(
         tl.float32
@@ -611,11 +620,16 @@ def _tq_decode_split_stage1(
             tok = _fp16_word(ckn) * qk_scale
             if NORM_CORRECTION:
                 tok = tok / tl.sqrt(c_sq + 1e-16)
+        if KEY_OFFSET:
+            marked = tok < 0.0
+            tok = tl.abs(tok)
         # Rows r and r ^ 8 hold q_head . k and q_tail . k: an exact fp32
         # "ieee" dot with the pairing matrix sums them into both rows (a
         # reshape here would pull the accumulator into a replicated layout).
         s = tl.dot(pair, raw, input_precision="ieee")
         s = s * tok[None, :]
+        if KEY_OFFSET:
+            s = s - tl.where(marked[None, :], qmu[:, None], 0.0)
         s = tl.where(cur_mask[None, :], s, float("-inf"))
 
         # ---- online softmax ----
@@ -713,6 +727,7 @@ def stage1_constexprs(
     norm_correction: bool,
     fp8_e4b15: int,
     word16: bool,
+    key_offset: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of ``_tq_decode_split_stage1`` for a slot
     layout, a page size, a GQA group and a launch geometry (see
@@ -736,6 +751,7 @@ def stage1_constexprs(
         NORM_CORRECTION=bool(norm_correction) and not layout.key_fp8,
         FP8_E4B15=fp8_e4b15 if layout.key_fp8 else 0,
         WORD16=word16,
+        KEY_OFFSET=key_offset,
     )
 
 
@@ -754,9 +770,12 @@ def stage1(
     layout: SlotLayout,
     norm_correction: bool,
     geometry: tuple[int, ...] | None = None,
+    qmu: torch.Tensor | None = None,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
-    (row, KV head) into ``mid``, or with one split the output into ``out``."""
+    (row, KV head) into ``mid``, or with one split the output into ``out``.
+    ``qmu`` ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose
+    keys were stored with an offset (``rotate_query_with_offset``)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
     device = q_in.device
     geometry = tuple(geometry or default_geometry(D, layout.key_fp8))
@@ -774,6 +793,7 @@ def stage1(
         centroids,
         out,
         mid,
+        mid if qmu is None else qmu,
         qk_scale,
         num_splits,
         *stage1_strides(q_in, kv_cache, unit, block_table, out, mid),
@@ -787,6 +807,7 @@ def stage1(
             norm_correction,
             use_fp8_e4b15(device) if layout.key_fp8 else 0,
             word16,
+            qmu is not None,
         ),
         num_warps=num_warps,
         num_stages=1,

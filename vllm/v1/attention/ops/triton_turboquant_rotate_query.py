@@ -25,20 +25,27 @@ def _tq_rotate_query(
     Q_ptr,  # [B, Hq, D] model dtype, last dim contiguous
     PiT_ptr,  # the backend's scaled Hadamard matrix: only [0, 0] is read
     KeyScale_ptr,  # [D] fp32, multiplies the query first (HAS_KEY_SCALE)
+    KeyOffset_ptr,  # [Hk, D] fp32 (HAS_KEY_OFFSET)
     Out_ptr,  # [B, Hq, D] fp32
+    QMu_ptr,  # [B, Hq] fp32: q . key_offset[kv head] (HAS_KEY_OFFSET)
     stride_qb,
     stride_qh,
     stride_ob,
     stride_oh,
     HQ: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     HAS_KEY_SCALE: tl.constexpr,
+    HAS_KEY_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0) // HQ
     head = tl.program_id(0) % HQ
     offs = tl.arange(0, D)
     x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
+    if HAS_KEY_OFFSET:
+        mu = tl.load(KeyOffset_ptr + (head // GROUP) * D + offs)
+        tl.store(QMu_ptr + row * HQ + head, tl.sum(x * mu, axis=0))
     if HAS_KEY_SCALE:
         x = x * tl.load(KeyScale_ptr + offs)
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
@@ -54,6 +61,23 @@ def rotate_query(
 
     Returns [B, Hq, D] fp32; the query is read in its own dtype.
     """
+    return _rotate(query, PiT, key_scale, None)[0]
+
+
+def rotate_query_with_offset(
+    query: torch.Tensor,
+    PiT: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    key_offset: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotate_query`` and, in the same launch, ``q . key_offset[h]`` for
+    each query head's KV head ``h`` ([Hk, D] fp32; the query unscaled):
+    returns ([B, Hq, D], [B, Hq]) fp32."""
+    qmu = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    return _rotate(query, PiT, key_scale, (key_offset, qmu))
+
+
+def _rotate(query, PiT, key_scale, offset):
     B, Hq, D = query.shape
     if D < 16 or D & (D - 1):
         raise ValueError(
@@ -63,20 +87,25 @@ def rotate_query(
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=query.device)
+    key_offset, qmu = offset if offset is not None else (PiT, PiT)
     if B * Hq:
         launcher(_tq_rotate_query)[(B * Hq,)](
             query,
             PiT,
             PiT if key_scale is None else key_scale,
+            key_offset,
             out,
+            qmu,
             query.stride(0),
             query.stride(1),
             out.stride(0),
             out.stride(1),
             HQ=Hq,
+            GROUP=Hq // key_offset.shape[0] if offset is not None else 1,
             D=D,
             LOG2_D=D.bit_length() - 1,
             HAS_KEY_SCALE=key_scale is not None,
+            HAS_KEY_OFFSET=offset is not None,
             num_warps=1 if D <= 256 else 2,
         )
-    return out
+    return out, (qmu if offset is not None else None)

@@ -40,7 +40,7 @@ from vllm.v1.attention.ops.triton_turboquant_store import (
     triton_turboquant_store,
 )
 from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
-from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
+from vllm.v1.attention.ops.turboquant_slot_layout import check_key_offset, slot_layout
 
 
 @triton.jit
@@ -49,6 +49,8 @@ def _tq_store_mse_hadamard(
     Value_ptr,
     PiT_ptr,  # only PiT[0, 0] is read: the scaled Hadamard entry
     KeyScale_ptr,  # [D] fp32, keys are divided by it (HAS_KEY_SCALE)
+    KeyOffset_ptr,  # [H, D] fp32, subtracted first where shorter (HAS_KEY_OFFSET)
+    Positions_ptr,  # [N] token positions: only position 0 may go unshifted
     Midpoints_ptr,
     KV_cache_ptr,
     Slot_mapping_ptr,
@@ -71,6 +73,8 @@ def _tq_store_mse_hadamard(
     BLOCK_VAL: tl.constexpr,
     BLOCK_GRP: tl.constexpr,
     HAS_KEY_SCALE: tl.constexpr,
+    HAS_KEY_OFFSET: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     token = pid // H
@@ -87,9 +91,23 @@ def _tq_store_mse_hadamard(
     d = tl.arange(0, D)
 
     k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d).to(tl.float32)
+    if HAS_KEY_OFFSET:
+        # The key is stored shifted (k - mu) or as it is, whichever is the
+        # shorter vector: the quantizer's error scales with the length.
+        shifted = k - tl.load(KeyOffset_ptr + head * D + d)
+        if HAS_KEY_SCALE:
+            shifted = tl.div_rn(shifted, tl.load(KeyScale_ptr + d))
     if HAS_KEY_SCALE:
         k = tl.div_rn(k, tl.load(KeyScale_ptr + d))
     norm = tl.sqrt_rn(tl.sum(k * k, axis=0))
+    if HAS_KEY_OFFSET:
+        shifted_norm = tl.sqrt_rn(tl.sum(shifted * shifted, axis=0))
+        # Ties (a zero offset) and a zero key go shifted: unmarked.
+        keep = (norm < shifted_norm) & (norm > 0.0)
+        if HAS_POSITIONS:
+            keep = keep & (tl.load(Positions_ptr + token) == 0)
+        k = tl.where(keep, k, shifted)
+        norm = tl.where(keep, norm, shifted_norm)
     x = tl.div_rn(k, tl.zeros([D], tl.float32) + (norm + 1e-8))
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
 
@@ -118,6 +136,10 @@ def _tq_store_mse_hadamard(
 
     # fp16 norm, byte by byte: slots may start at odd addresses.
     bits = norm.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    if HAS_KEY_OFFSET:
+        # A key stored unshifted carries the norm's sign bit, which a norm
+        # never sets: its score lacks the -q.mu every shifted key's has.
+        bits = bits | (keep.to(tl.int32) << 15)
     two = tl.arange(0, 2)
     tl.store(
         KV_cache_ptr + slot_base + MSE_BYTES + two,
@@ -216,13 +238,20 @@ def turboquant_store_hadamard(
     value_quant_bits: int,
     num_warps: int | None = None,
     key_scale: torch.Tensor | None = None,  # [D] fp32
+    key_offset: torch.Tensor | None = None,  # [H, D] fp32
+    positions: torch.Tensor | None = None,  # [N] int
 ) -> None:
     """Store MSE-quantized keys and uniform-quantized values in one launch.
 
     ``PiT`` must be the scaled Sylvester Hadamard matrix the TurboQuant
     backend builds; only its [0, 0] entry is read (on the device). With
     ``key_scale`` the keys stored are ``key / key_scale`` (the layer's
-    per-channel key scale, ``turboquant.key_scale``).
+    per-channel key scale, ``turboquant.key_scale``). With ``key_offset``
+    (the layer's per-KV-head key offset, ``turboquant.key_offset``) each key
+    is stored as ``(key - key_offset[h]) / key_scale`` or ``key / key_scale``,
+    whichever is shorter, the latter with its norm's sign bit set; with
+    ``positions`` (the tokens' positions in their sequences) only a
+    sequence's first key may be stored the latter way.
     """
     N, H, D = key.shape
     if D & (D - 1) or D < 16 or mse_bits not in (3, 4):
@@ -237,12 +266,16 @@ def turboquant_store_hadamard(
         value = value.contiguous()
     if key_scale is not None:
         _check_key_scale(key_scale, D)
+    if key_offset is not None:
+        check_key_offset(key_offset, H, D)
     layout = slot_layout(D, False, mse_bits, value_quant_bits)
     launcher(_tq_store_mse_hadamard)[(N * H,)](
         key,
         value,
         PiT,
         PiT if key_scale is None else key_scale,
+        PiT if key_offset is None else key_offset,
+        slot_mapping if positions is None else positions,
         midpoints,
         kv_cache,
         slot_mapping,
@@ -265,6 +298,8 @@ def turboquant_store_hadamard(
         BLOCK_VAL=triton.next_power_of_2(layout.value_index_bytes),
         BLOCK_GRP=D // 8,
         HAS_KEY_SCALE=key_scale is not None,
+        HAS_KEY_OFFSET=key_offset is not None,
+        HAS_POSITIONS=key_offset is not None and positions is not None,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
     )
@@ -295,13 +330,27 @@ def turboquant_store(
     value_quant_bits: int,
     key_fp8: bool = False,
     key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """The backend's store: ``triton_turboquant_store``'s arguments, with
     ``PiT`` the backend's scaled Hadamard matrix. MSE keys take the fused
     kernel, FP8 keys a strided copy of 0.20.2's kernel (the ``qkv`` views
     are not copied first); other shapes take 0.20.2's launcher.
-    ``key_scale`` ([D] fp32, MSE keys only): store ``key / key_scale``."""
+    ``key_scale`` ([D] fp32, MSE keys only): store ``key / key_scale``.
+    ``key_offset`` ([H, D] fp32) and ``positions`` ([N]): see
+    ``turboquant_store_hadamard``, which alone stores an offset (0.20.2's
+    kernels have no sign bit to read)."""
     N, H, D = key.shape
+    if key_offset is not None and (
+        key_fp8 or D < 16 or D & (D - 1) or mse_bits not in (3, 4)
+    ):
+        raise ValueError(
+            "key_offset needs the fused MSE store (power-of-two head_dim >= 16, "
+            f"3- or 4-bit MSE keys), got head_dim={D}, "
+            f"{'FP8 keys' if key_fp8 else f'{mse_bits}-bit keys'}; bind no "
+            "offset for this layer"
+        )
     if key_scale is not None and key_fp8:
         raise ValueError(
             "key_scale applies to MSE keys; FP8 keys are stored per element and "
@@ -363,4 +412,6 @@ def turboquant_store(
         key_packed_size=key_packed_size,
         value_quant_bits=value_quant_bits,
         key_scale=key_scale,
+        key_offset=key_offset,
+        positions=positions,
     )

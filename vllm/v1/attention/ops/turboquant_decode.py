@@ -35,10 +35,17 @@ import torch
 import vllm.envs as envs
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as triton_stage1
 from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import supports
-from vllm.v1.attention.ops.triton_turboquant_rotate_query import rotate_query
+from vllm.v1.attention.ops.triton_turboquant_rotate_query import (
+    rotate_query,
+    rotate_query_with_offset,
+)
 from vllm.v1.attention.ops.turboquant_device import num_sms, nvidia_capability
 from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
-from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout, words_aligned
+from vllm.v1.attention.ops.turboquant_slot_layout import (
+    check_key_offset,
+    slot_layout,
+    words_aligned,
+)
 
 # Largest split count x head_dim of a Gluon decode: past it the merge's reads
 # of the partials cost more than the splits gain. On an H100, 1 x 32K
@@ -187,6 +194,7 @@ def decode_attention(
     hadamard_query: bool = False,
     stage: str | None = None,
     key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a packed TurboQuant cache: [B, Hq, D].
 
@@ -195,6 +203,10 @@ def decode_attention(
     instead of an fp32 GEMM. ``key_scale`` ([D] fp32, MSE keys only): the
     keys were stored divided by it, so the query is multiplied by it before
     the rotation and every score is the one of the unscaled keys.
+    ``key_offset`` ([Hk, D] fp32, MSE keys only): the keys were stored
+    shifted by it, those stored unshifted marked (``turboquant_store``), so
+    ``q . key_offset`` is computed beside the rotation and subtracted from
+    the marked keys' scores: every score then carries the same shift.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -238,17 +250,27 @@ def decode_attention(
             "TurboQuantConfig.key_packed_size"
         )
 
+    qmu = None
     if key_fp8:
-        if key_scale is not None:
+        if key_scale is not None or key_offset is not None:
             raise ValueError(
-                "key_scale applies to MSE keys; FP8 keys are stored unscaled"
+                "key_scale and key_offset apply to MSE keys; FP8 keys are stored "
+                "as they are"
             )
         q_in = query if query.stride(-1) == 1 else query.contiguous()
     elif hadamard_query:
-        q_in = rotate_query(query, PiT, key_scale)
+        if key_offset is None:
+            q_in = rotate_query(query, PiT, key_scale)
+        else:
+            check_key_offset(key_offset, Hk, D)
+            q_in, qmu = rotate_query_with_offset(query, PiT, key_scale, key_offset)
     else:
         q_f = query.float() if key_scale is None else query.float() * key_scale
         q_in = q_f @ PiT
+        if key_offset is not None:
+            check_key_offset(key_offset, Hk, D)
+            qmu = (query.float().view(B, Hk, group, D) * key_offset[:, None]).sum(-1)
+            qmu = qmu.view(B, Hq)
 
     out_dtype = out_dtype or query.dtype
     if (
@@ -324,6 +346,7 @@ def decode_attention(
             norm_correction,
             value_quant_bits,
             key_tails=False if key_fp8 else gluon.key_tails(centroids),
+            qmu=qmu,
         )
     else:
         triton_stage1.stage1(
@@ -341,6 +364,7 @@ def decode_attention(
             layout,
             norm_correction,
             geometry,
+            qmu=qmu,
         )
     return triton_stage1.merge(mid, out, num_splits)
 
@@ -363,6 +387,7 @@ def maybe_decode_attention(
     max_num_kv_splits: int = 32,
     output_buf: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``triton_turboquant_decode_attention``'s call, served here.
 
@@ -373,13 +398,25 @@ def maybe_decode_attention(
     written in place where ``decode_attention`` can. ``key_scale``: the
     layer's per-channel key scale (``turboquant.key_scale``) when its keys
     are stored divided by it; a caller that runs 0.20.2's kernel instead
-    multiplies its query by it first.
+    multiplies its query by it first. ``key_offset``: the layer's key offset
+    (``turboquant.key_offset``); 0.20.2's kernel cannot read the keys stored
+    with one, so a layout it would take is refused.
     """
     B, Hq, D = query.shape
     stage = envs.VLLM_TURBOQUANT_DECODE
     if stage == "legacy" or not supports(
         D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
     ):
+        if key_offset is not None:
+            why = "is switched off" if stage == "legacy" else "does not serve it"
+            raise ValueError(
+                f"this layer's keys are stored with a key offset, which only the "
+                f"split-KV decode reads; it {why} "
+                f"here (VLLM_TURBOQUANT_DECODE={stage}, head_dim {D}, {Hq} query / "
+                f"{kv_cache.shape[2]} KV heads). Unset VLLM_TURBOQUANT_DECODE=legacy "
+                "before the engine starts, or serve this model with a TurboQuant "
+                "preset whose keys are not 3-bit"
+            )
         return None
     if not key_fp8 and PiT is None:
         PiT = Pi.T.contiguous()
@@ -402,4 +439,5 @@ def maybe_decode_attention(
         hadamard_query=not key_fp8 and is_backend_hadamard(PiT),
         stage=stage,
         key_scale=key_scale,
+        key_offset=key_offset,
     )

@@ -118,3 +118,18 @@ def stage1_strides(
         mid.stride(1),
         mid.stride(2) if mid.dim() == 4 else 0,
     )
+
+
+def check_key_offset(key_offset: torch.Tensor, num_kv_heads: int, head_dim: int):
+    """A key offset the kernels can read: [num_kv_heads, head_dim] fp32,
+    contiguous."""
+    if (
+        key_offset.dtype != torch.float32
+        or key_offset.shape != (num_kv_heads, head_dim)
+        or not key_offset.is_contiguous()
+    ):
+        raise ValueError(
+            f"key_offset must be a contiguous [{num_kv_heads}, {head_dim}] float32 "
+            f"tensor (KV heads x head_dim), got {key_offset.dtype} "
+            f"{tuple(key_offset.shape)}; bind it with turboquant.key_offset"
+        )

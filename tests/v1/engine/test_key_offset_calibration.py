@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The engine calibrates TurboQuant key offsets with one prefill at start.
+
+CPU: the prompt (seeded, the model's BOS first), its length (bounded by the
+model length and an unchunked batch), and the workers' side
+(sums opened, the mean set in place, layers that stored nothing reported).
+GPU: a tiny Qwen3 engine with 3-bit keys comes up with a non-zero offset in
+every 3-bit layer and no prefix-cache block left from the calibration prompt.
+That engines calibrate alike is what the GPU gate's ``tqm`` lane checks: its
+3-bit MTP cells equal the same preset without speculation, token for token.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.quantization.turboquant import key_offset
+from vllm.v1.engine import key_offset_calibration as calibration
+
+
+def test_the_prompt_is_seeded_and_starts_with_bos():
+    a = calibration.calibration_prompt(1000, 300, bos=7)
+    assert a == calibration.calibration_prompt(1000, 300, bos=7)
+    assert len(a) == 300 and a[0] == 7 and max(a) < 1000 and len(set(a)) > 200
+    assert calibration.calibration_prompt(1000, 300, bos=None)[1:] == a[1:]
+
+
+def _core(max_model_len=32768, chunked=True, batched=8192):
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=max_model_len),
+            scheduler_config=SimpleNamespace(
+                enable_chunked_prefill=chunked, max_num_batched_tokens=batched
+            ),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "core, length",
+    [
+        (_core(), key_offset.CALIBRATION_TOKENS),
+        (_core(max_model_len=512), 511),
+        (_core(chunked=False, batched=1024), 1024),
+    ],
+)
+def test_the_length_fits_the_engine(core, length):
+    """The model length and an unchunked batch bound it; the KV cache's size
+    does not (an engine with a drafter has a smaller share for the main
+    model's layers, and must calibrate on the same prompt)."""
+    assert calibration.calibration_length(core) == length
+
+
+def _worker(layers):
+    context = dict(layers)
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            compilation_config=SimpleNamespace(static_forward_context=context)
+        )
+    )
+
+
+def _layer(hk=2, d=4, offset=True):
+    layer = torch.nn.Module()
+    if offset:
+        layer._tq_key_offset = torch.zeros(hk, d)
+    return layer
+
+
+def test_workers_set_the_mean_of_the_keys_stored():
+    seen, unseen, other = _layer(), _layer(), _layer(offset=False)
+    worker = _worker({"a": seen, "b": unseen, "c": other})
+    assert key_offset.start_calibration(worker, 3) == 2
+    keys = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    key_offset.observe_keys(seen, keys[:2])
+    key_offset.observe_keys(seen, keys[2:])
+    # Past the prompt's length (a step scheduled ahead): not summed.
+    key_offset.observe_keys(seen, keys + 100)
+    key_offset.observe_keys(other, keys)  # no offset: nothing to sum
+    assert key_offset.finish_calibration(worker) == ["b"]
+    torch.testing.assert_close(seen._tq_key_offset, keys.mean(0))
+    assert not unseen._tq_key_offset.any()
+    # Closed: later stores are not summed.
+    key_offset.observe_keys(seen, keys * 0)
+    assert not hasattr(seen, "_tq_key_sums")
+
+
+def test_an_engine_without_offset_layers_serves_no_calibration():
+    calls = []
+    core = _core()
+    core.model_executor = SimpleNamespace(
+        collective_rpc=lambda fn, args=(): calls.append(fn.__name__) or [0]
+    )
+    core.add_request = lambda *a: calls.append("add_request")
+    calibration.calibrate_key_offsets(core)
+    assert calls == ["start_calibration"]
+
+
+def _offsets(worker):
+    context = worker.vllm_config.compilation_config.static_forward_context
+    return {
+        name: layer._tq_key_offset.cpu()
+        for name, layer in context.items()
+        if getattr(layer, "_tq_key_offset", None) is not None
+    }
+
+
+@pytest.mark.gpu
+def test_an_engine_starts_with_calibrated_offsets(tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from tests.models.tiny_hybrids import checkpoints as ck
+    from vllm import LLM, SamplingParams
+
+    # Writing the checkpoint left threads behind (tqdm's monitor); an engine
+    # process forked from here can deadlock on a lock one of them held.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # collective_rpc sends _offsets (a function) to the engine process.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+    path = ck.build_checkpoint("qwen3_dense", tmp_path / "qwen3_dense")
+    llm = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        kv_cache_memory_bytes=256 * 2**20,
+        gpu_memory_utilization=0.1,
+        enforce_eager=True,
+        kv_cache_dtype="turboquant_3bit_nc",
+        dtype=ck.MATRIX_DTYPE,
+        enable_prefix_caching=True,
+        seed=0,
+        **ck.MODELS["qwen3_dense"].engine_kwargs,
+    )
+    (offsets,) = llm.collective_rpc(_offsets)
+    assert offsets, "no layer took a key offset"
+    for name, offset in offsets.items():
+        assert offset.abs().max() > 0, f"{name}: offset not calibrated"
+    model_config = llm.llm_engine.model_config
+    prompt = calibration.calibration_prompt(
+        model_config.get_vocab_size(),
+        256,
+        getattr(model_config.hf_text_config, "bos_token_id", None),
+    )
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0)
+    )
+    assert not out[0].num_cached_tokens, "the calibration prompt's blocks stayed"
