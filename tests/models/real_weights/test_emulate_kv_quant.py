@@ -65,6 +65,15 @@ def test_calib_variants_treat_the_first_key_apart(fix):
     assert torch.equal(raw[:, 1:], emu.quant_keys_mse(kd - mu, 3, True)[:, 1:] + mu)
 
 
+def _shorter_way(fix: str, k: torch.Tensor, mu: torch.Tensor):
+    """``fix``'s keys, and every key 3-bit quantized shifted and unshifted."""
+    e = emu.Emu()
+    e.fix, e.kbits, e.nc, e.calib = fix, 3, True, {7: mu}
+    kd = k.double()
+    shifted = emu.quant_keys_mse(kd - mu, 3, True) + mu
+    return e.quant_k(k, 7), shifted, emu.quant_keys_mse(kd, 3, True)
+
+
 def test_calibmin_stores_the_first_key_the_shorter_way():
     """Per KV head, key 0 shifted where it lies nearer the mean than the
     origin, unshifted where nearer the origin; later keys always shifted."""
@@ -73,12 +82,7 @@ def test_calibmin_stores_the_first_key_the_shorter_way():
     k = torch.randn(2, 5, 64, generator=g)
     k[0, 0] = (mu[0, 0] + 0.1 * torch.randn(64, generator=g)).float()  # near mu
     k[1, 0] = 0.1 * torch.randn(64, generator=g)  # near the origin
-    e = emu.Emu()
-    e.fix, e.kbits, e.nc, e.calib = "calibmin", 3, True, {7: mu}
-    got = e.quant_k(k, 7)
-    kd = k.double()
-    shifted = emu.quant_keys_mse(kd - mu, 3, True) + mu
-    plain = emu.quant_keys_mse(kd, 3, True)
+    got, shifted, plain = _shorter_way("calibmin", k, mu)
     assert torch.equal(got[0, 0], shifted[0, 0])
     assert torch.equal(got[1, 0], plain[1, 0])
     assert torch.equal(got[:, 1:], shifted[:, 1:])
@@ -90,14 +94,9 @@ def test_calibany_stores_every_key_the_shorter_way():
     mu = 4 * torch.randn(1, 1, 64, generator=g).double()
     k = (mu + 0.1 * torch.randn(1, 6, 64, generator=g)).float()
     k[0, 3] = 0.1 * torch.randn(64, generator=g)  # a later key near the origin
-    e = emu.Emu()
-    e.fix, e.kbits, e.nc, e.calib = "calibany", 3, True, {7: mu}
-    got = e.quant_k(k, 7)
-    kd = k.double()
-    shifted = emu.quant_keys_mse(kd - mu, 3, True) + mu
-    plain = emu.quant_keys_mse(kd, 3, True)
+    got, shifted, plain = _shorter_way("calibany", k, mu)
     assert torch.equal(got[0, 3], plain[0, 3])
     rest = [0, 1, 2, 4, 5]
     assert torch.equal(got[0, rest], shifted[0, rest])
-    e.fix = "calibmin"  # key 3 is not a sequence's first: shifted there
-    assert torch.equal(e.quant_k(k, 7)[0, 3], shifted[0, 3])
+    # Key 3 is not a sequence's first: calibmin shifts it.
+    assert torch.equal(_shorter_way("calibmin", k, mu)[0][0, 3], shifted[0, 3])
