@@ -45,3 +45,14 @@ def test_the_legacy_decode_takes_none(monkeypatch):
     model = _model("turboquant_3bit_nc")
     process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
     assert layer_key_offset(model["0"].attn) is None
+
+
+def test_loading_again_zeroes_the_offset_in_place():
+    """A weight reload binds again: CUDA graphs captured the tensor, so it
+    is zeroed where it is, not replaced by a new one."""
+    model = _model("turboquant_3bit_nc")
+    process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
+    offset = layer_key_offset(model["0"].attn)
+    offset.fill_(3.0)  # as the calibration leaves it
+    process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
+    assert layer_key_offset(model["0"].attn) is offset and not offset.any()

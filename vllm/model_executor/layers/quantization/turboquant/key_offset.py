@@ -85,6 +85,17 @@ def takes_key_offset(impl) -> bool:
     )
 
 
+def _on(tensor: torch.Tensor, device: torch.device | None) -> bool:
+    """Whether ``tensor`` is on ``device`` (any index where it names none)."""
+    if device is None:
+        return True
+    device = torch.device(device)
+    return tensor.device.type == device.type and device.index in (
+        None,
+        tensor.device.index,
+    )
+
+
 def bind_key_offsets(model: nn.Module, device: torch.device | None = None) -> int:
     """Give every TurboQuant attention layer that ``takes_key_offset`` a zero
     offset (``layer._tq_key_offset``, on ``device`` where given) for the
@@ -103,9 +114,16 @@ def bind_key_offsets(model: nn.Module, device: torch.device | None = None) -> in
         impl = getattr(module, "impl", None)
         if not isinstance(impl, TurboQuantAttentionImpl) or not takes_key_offset(impl):
             continue
-        module._tq_key_offset = torch.zeros(
-            impl.num_kv_heads, impl.head_size, dtype=torch.float32, device=device
-        )
+        shape = (impl.num_kv_heads, impl.head_size)
+        offset = layer_key_offset(module)
+        if offset is not None and offset.shape == shape and _on(offset, device):
+            # Weights loaded again (a reload): captured CUDA graphs read this
+            # tensor, so it is zeroed where it is, not replaced.
+            offset.zero_()
+        else:
+            module._tq_key_offset = torch.zeros(
+                shape, dtype=torch.float32, device=device
+            )
         bound += 1
     if bound:
         logger.info_once(
