@@ -179,6 +179,8 @@ def tqm_rows(result_json: Path, lane: Lane) -> list[Row]:
             if tail:
                 cause += f"; {first_root_cause(tail)}"
         status = "ok" if r["ok"] else "FAILED"
+        if r["ok"] and r.get("tie"):
+            status, cause = "ok tie", r["tie"]
         rows.append(Row("tqm", r["name"], status, r.get("seconds"), cause[:200]))
     return rows
 

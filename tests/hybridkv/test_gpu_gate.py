@@ -73,6 +73,19 @@ def test_rows_from_each_lane(tmp_path):
     ]
     assert rows[1].root_cause == "AssertionError: 0.5 < 1e-3"
 
+    tqm = [
+        {"name": "a.none", "ok": True, "seconds": 3.0},
+        {"name": "a.mtp", "ok": True, "tie": "differs at near-ties [(4, 11)]"},
+        {"name": "b.mtp", "ok": False, "against": "x no-spec",
+         "why": "first difference (prompt, token) (0, 9)"},
+    ]  # fmt: skip
+    (tmp_path / "tqm.json").write_text(json.dumps(tqm))
+    rows = gate.tqm_rows(tmp_path / "tqm.json", _lane("tqm", rc=1))
+    assert [(r.status, r.passed) for r in rows] == [
+        ("ok", True), ("ok tie", True), ("FAILED", False)
+    ]  # fmt: skip
+    assert "(4, 11)" in rows[1].root_cause and "(0, 9)" in rows[2].root_cause
+
 
 def test_a_lane_stopped_at_the_deadline_is_a_failed_row(tmp_path):
     log = tmp_path / "spec.log"

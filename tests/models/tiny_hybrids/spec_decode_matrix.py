@@ -623,6 +623,18 @@ def context_positions(prompts: list[list[int]], outputs: list[list[int]]) -> int
     return n
 
 
+def near_tie(
+    gaps: list[list[float | None]] | None, p: int, t: int
+) -> tuple[bool, float | None]:
+    """Whether the reference's top-1/top-2 logprob gap at prompt ``p`` token
+    ``t`` is below TIE_FRACTION of its median gap, and that gap."""
+    gaps = gaps or []
+    flat = sorted(g for r in gaps for g in r if g is not None)
+    median = flat[len(flat) // 2] if flat else None
+    gap = gaps[p][t] if p < len(gaps) and t < len(gaps[p]) else None
+    return gap is not None and median is not None and gap < TIE_FRACTION * median, gap
+
+
 def same_or_tie(status: str) -> bool:
     """``compare``'s verdict counts as equal: exact, or a first difference at a
     flagged near-tie (rounding between two nearly equal logits, not a wrong
@@ -661,12 +673,8 @@ def compare(
     if not first:
         row["status"] = "exact"
     else:
-        gaps = ref.get("gaps") or []
-        flat = sorted(g for r in gaps for g in r if g is not None)
-        median = flat[len(flat) // 2] if flat else None
         p, t = first[0]
-        gap = gaps[p][t] if p < len(gaps) and t < len(gaps[p]) else None
-        tie = gap is not None and median is not None and gap < TIE_FRACTION * median
+        tie, gap = near_tie(ref.get("gaps"), p, t)
         row["status"] = f"DIFF {p}@{t}" + (" tie" if tie else "")
         row["gap_at_diff"] = gap
     m = run.get("metrics", {})

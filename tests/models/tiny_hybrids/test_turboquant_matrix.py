@@ -19,10 +19,19 @@ def _rec(outs=OUT, rc=0, kv_tokens=1000):
     return {"rc": rc, "outputs": outs, "kv_tokens": kv_tokens, "seconds": 1.0}
 
 
-def _changed(p, t):
+def _changed(*at):
     outs = [list(o) for o in OUT]
-    outs[p][t] = (outs[p][t] + 1) % 2048
+    for p, t in zip(at[::2], at[1::2]):
+        outs[p][t] = (outs[p][t] + 1) % 2048
     return outs
+
+
+def _gapped(*ties):
+    """A reference whose top-1/top-2 gap is 1.0 except at the (p, t) ties."""
+    gaps = [[1.0] * tqm.NEW_TOKENS for _ in OUT]
+    for p, t in ties:
+        gaps[p][t] = 0.001
+    return {**_rec(), "gaps": gaps}
 
 
 def test_configs_and_engine_kwargs():
@@ -58,6 +67,18 @@ def test_configs_and_engine_kwargs():
         (tqm.Config("qwen3_5", "turboquant_4bit_nc", "mtp"), _rec(),
          {"qwen3_5.turboquant_4bit_nc.none": _rec()}, None, True,
          "turboquant_4bit_nc no-spec", ""),
+        # ... where a first difference is a near-tie of the reference, it
+        # passes; a difference beside it that is not fails the row
+        (tqm.Config("qwen3_next", "turboquant_3bit_nc", "mtp"), _rec(_changed(2, 5)),
+         {"qwen3_next.turboquant_3bit_nc.none": _gapped((2, 5))}, None, True,
+         "turboquant_3bit_nc no-spec", ""),
+        (tqm.Config("qwen3_next", "turboquant_3bit_nc", "mtp"),
+         _rec(_changed(0, 9, 2, 5)),
+         {"qwen3_next.turboquant_3bit_nc.none": _gapped((2, 5))}, None, False,
+         "turboquant_3bit_nc no-spec", "(0, 9)"),
+        (tqm.Config("qwen3_next", "turboquant_3bit_nc", "mtp"), _rec(_changed(2, 6)),
+         {"qwen3_next.turboquant_3bit_nc.none": _gapped((2, 5))}, None, False,
+         "turboquant_3bit_nc no-spec", "(2, 6)"),
         # TurboQuant vs auto: agreement floor
         (tqm.Config("qwen3_5", "turboquant_k8v4"), _rec([o[:32] + o[:32] for o in OUT]),
          {"qwen3_5.auto.none": _rec()}, None, False, "auto", "agrees with auto"),
@@ -72,6 +93,7 @@ def test_check_can_fail(cfg, rec, others, hf, ok, against, why):
     row = tqm.check(cfg, {"name": cfg.name, **rec}, others, {cfg.model: hf})
     assert row["ok"] is ok, row
     assert row["against"] == against and why in row["why"]
+    assert ("tie" in row) is (ok and "(2, 5)" in row.get("tie", "")), row
 
 
 def test_checkpoint_variants_build(tmp_path):

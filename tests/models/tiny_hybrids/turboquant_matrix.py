@@ -18,7 +18,10 @@ planner's prediction. Each generates 64 greedy tokens for the matrix prompts
   them; the prompts are screened for top-1/top-2 gaps >= checkpoints.MIN_GAP
   so bf16 rounding cannot flip a token);
 * with MTP (or a draft model): equals the same model and preset without
-  speculation, token for token (``vs <preset> no-spec``);
+  speculation, token for token (``vs <preset> no-spec``), or first differs
+  where the reference's top-1/top-2 logprob gap is a near-tie
+  (``spec_decode_matrix.compare``: under 1 % of its median gap; a verify row
+  and a decode step may round two nearly equal logits differently);
 * a TurboQuant preset without speculation agrees with ``auto`` on at least
   AGREE_MIN[preset] of all tokens (``vs auto``): quantized K/V moves the
   logits a little; a cache read that is wrong moves them a lot (the random
@@ -43,6 +46,7 @@ from typing import Any
 
 from . import checkpoints as ck
 from .scheduling import run_grouped
+from .spec_decode_matrix import near_tie
 
 PRESETS = (
     "auto",
@@ -187,14 +191,36 @@ def engine_kwargs(cfg: Config, ckpts: dict[str, str]) -> dict[str, Any]:
     return kwargs
 
 
-def boot_and_generate(kwargs: dict, prompts: list[list[int]]) -> list[list[int]]:
-    """Run in the child: boot, generate greedily, return the token ids."""
+def boot_and_generate(
+    kwargs: dict, prompts: list[list[int]], logprobs: bool = False
+) -> dict[str, list]:
+    """Run in the child: boot, generate greedily, return the token ids and,
+    with ``logprobs``, each token's top-1/top-2 logprob gap."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=2 if logprobs else None,
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    result: dict[str, list] = {
+        "outputs": [list(o.outputs[0].token_ids) for o in outputs]
+    }
+    if logprobs:
+        result["gaps"] = [
+            [
+                top[0] - top[1] if len(top) > 1 else None
+                for top in (
+                    sorted((v.logprob for v in lp.values()), reverse=True)
+                    for lp in o.outputs[0].logprobs or []
+                )
+            ]
+            for o in outputs
+        ]
+    return result
 
 
 # The child ends without the engine's teardown once its outputs are printed:
@@ -204,8 +230,9 @@ _CHILD = (
     "import json,os,sys;"
     "from tests.models.tiny_hybrids.turboquant_matrix import boot_and_generate;"
     "a=json.load(open(sys.argv[1]));"
-    "print('OUTPUTS', json.dumps(boot_and_generate(a['engine'], a['prompts'])),"
-    " flush=True);"
+    "r=boot_and_generate(a['engine'],a['prompts'],a['logprobs']);"
+    "print('OUTPUTS', json.dumps(r['outputs']), flush=True);"
+    "print('GAPS', json.dumps(r.get('gaps')), flush=True);"
     "sys.stderr.flush();"
     "os._exit(0)"
 )
@@ -227,7 +254,9 @@ def run_one(
             return {"name": cfg.name, "rc": "not run", "seconds": 0,
                     "log_tail": "NOT RUN (deadline)"}  # fmt: skip
     args_file = workdir / f"{cfg.name}.args.json"
-    args_file.write_text(json.dumps({"engine": kwargs, "prompts": prompts}))
+    # The references of speculative rows log their logprob gaps (check()).
+    args = {"engine": kwargs, "prompts": prompts, "logprobs": cfg.spec == "none"}
+    args_file.write_text(json.dumps(args))
     start = time.time()
     try:
         proc = subprocess.run(
@@ -244,12 +273,14 @@ def run_one(
         log, rc = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT", "timeout"
     tokens = _KV_TOKENS.findall(log)
     outs = re.findall(r"^OUTPUTS (\[.*\])$", log, re.M)
+    gaps = re.findall(r"^GAPS (.*)$", log, re.M)
     return {
         "name": cfg.name,
         "rc": rc,
         "seconds": round(time.time() - start, 1),
         "kv_tokens": int(tokens[-1].replace(",", "")) if tokens else None,
         "outputs": json.loads(outs[-1]) if outs else None,
+        "gaps": json.loads(gaps[-1]) if gaps else None,
         "log_tail": "\n".join(log.splitlines()[-25:]) if rc else "",
         "planner_lines": [
             line
@@ -275,12 +306,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def first_diff(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+def first_diffs(a: list[list[int]], b: list[list[int]]) -> list[tuple[int, int]]:
+    """(prompt, token) of each prompt's first difference, a length too."""
+    out = []
     for i, (u, v) in enumerate(zip(a, b)):
         t = next((t for t, (x, y) in enumerate(zip(u, v)) if x != y), None)
         if t is not None or len(u) != len(v):
-            return i, t if t is not None else min(len(u), len(v))
-    return None
+            out.append((i, t if t is not None else min(len(u), len(v))))
+    return out
+
+
+def first_diff(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    return next(iter(first_diffs(a, b)), None)
 
 
 def check(
@@ -290,7 +327,7 @@ def check(
     hf: dict[str, list[list[int]]],
 ) -> dict:
     """Verdict of one row: ``ok``, what it was compared against, why not."""
-    row = {k: v for k, v in rec.items() if k != "outputs"}
+    row = {k: v for k, v in rec.items() if k not in ("outputs", "gaps")}
     row["config"] = dataclasses.asdict(cfg)
     outs = rec.get("outputs")
     if rec["rc"] != 0 or outs is None:
@@ -307,10 +344,17 @@ def check(
     if cfg.spec != "none":
         ref_name = cfg.no_spec().name
         against = f"{cfg.kv} no-spec"
-        ref = records.get(ref_name, {}).get("outputs")
-        diff = first_diff(ref, outs) if ref else ("no reference", ref_name)
-        if diff:
-            why.append(f"first difference (prompt, token) {diff}")
+        ref = records.get(ref_name, {})
+        if ref.get("outputs") is None:
+            why.append(f"no reference ({ref_name})")
+        else:
+            diffs = first_diffs(ref["outputs"], outs)
+            ties = [near_tie(ref.get("gaps"), p, t) for p, t in diffs]
+            if not all(tie for tie, _ in ties):
+                why.append(f"first difference (prompt, token) {diffs[0]}")
+            elif diffs:
+                gaps = ", ".join(f"{g:.2g}" for _, g in ties)
+                row["tie"] = f"differs at near-ties {diffs} (top-1/top-2 gaps {gaps})"
     elif cfg.kv == "auto":
         against = "hf-fp32"
         ref = hf.get(cfg.model)
@@ -368,7 +412,7 @@ def format_rows(rows: list[dict]) -> str:
         out.append(
             f"{status} {r['name']:<44} vs {r['against']:<28} "
             f"kv_tokens={r.get('kv_tokens')} distinct={r.get('distinct_min')}"
-            f"{agree} {r['seconds']}s {r['why']}"
+            f"{agree} {r['seconds']}s {r['why'] or r.get('tie', '')}"
         )
     out.append(f"{sum(r['ok'] for r in rows)}/{len(rows)} rows ok")
     return "\n".join(out)
