@@ -5,12 +5,15 @@
 CPU: the prompt (seeded, the model's BOS first), its length (bounded by the
 model length and an unchunked batch), and the workers' side
 (sums opened, the mean set in place, layers that stored nothing reported).
-GPU: a tiny Qwen3 engine with 3-bit keys comes up with a non-zero offset in
-every 3-bit layer and no prefix-cache block left from the calibration prompt.
+GPU: a tiny Qwen3 engine with 3-bit keys comes up with every 3-bit layer's
+offset equal to the mean post-RoPE key of the calibration prompt as
+transformers computes it (fp32, on the CPU), and no prefix-cache block left
+from the calibration prompt.
 That engines calibrate alike is what the GPU gate's ``tqm`` lane checks: its
 3-bit MTP cells equal the same preset without speculation, token for token.
 """
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -98,6 +101,13 @@ def test_an_engine_without_offset_layers_serves_no_calibration():
     assert calls == ["start_calibration"]
 
 
+def _mean_keys(model, prompt: list[int]) -> list[torch.Tensor]:
+    """Each layer's mean cached (post-RoPE) key over ``prompt``, [Hk, D]."""
+    with torch.no_grad():
+        cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+    return [layer.keys[0].mean(1) for layer in cache.layers]
+
+
 def _offsets(worker):
     context = worker.vllm_config.compilation_config.static_forward_context
     return {
@@ -136,9 +146,19 @@ def test_an_engine_starts_with_calibrated_offsets(tmp_path, monkeypatch):
     )
     (offsets,) = llm.collective_rpc(_offsets)
     assert offsets, "no layer took a key offset"
-    for name, offset in offsets.items():
-        assert offset.abs().max() > 0, f"{name}: offset not calibrated"
     model_config = llm.llm_engine.model_config
+    bos = getattr(model_config.hf_text_config, "bos_token_id", None)
+    # max_model_len - 1 tokens (calibration_length).
+    means = _mean_keys(
+        ck.load_for_cpu(path),
+        calibration.calibration_prompt(model_config.get_vocab_size(), 1023, bos),
+    )
+    for name, offset in offsets.items():
+        ref = means[int(re.search(r"layers\.(\d+)\.", name).group(1))]
+        # fp16 keys against fp32 ones; the mean of the pre-RoPE keys is off
+        # by more than the whole offset here.
+        err = (offset - ref).abs().max() / ref.abs().max()
+        assert err < 0.05, f"{name}: offset off the prompt's mean key by {err:.1%}"
     prompt = calibration.calibration_prompt(
         model_config.get_vocab_size(),
         256,

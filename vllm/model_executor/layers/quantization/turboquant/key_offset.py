@@ -32,9 +32,10 @@ keys they store. Until then the offsets are zero, which stores exactly what
 a layer without an offset stores. They are fixed for the engine's life, so
 every request, batch and prefix-cache hit stores the same bytes.
 
-Only 3-bit keys take it: on the trained models it brings their perplexity
-to within 1.03x of ``auto`` with no needle lost (benchmarks/quality/
-FINDINGS-3bit.md), where 4-bit keys were within 1.02x already.
+Only 3-bit keys take it: 4-bit keys were within 1.02x of ``auto``'s
+perplexity already, where 3-bit keys lost perplexity and needles
+(benchmarks/quality/FINDINGS-3bit.md has what the offset recovers, in
+emulation and on a GPU).
 """
 
 import torch
