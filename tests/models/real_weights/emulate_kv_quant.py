@@ -31,7 +31,9 @@ per-head key mean of another text, ``--calib-file``, run once raw, or of
 random ids, ``--calib-ids random``; ``calib0``: calib but the sequence's first
 key quantized unshifted; ``calibraw``: calib, first key raw; ``calibks0``:
 calib0 with kscale; ``calibmin``/``calibksmin``: key 0 per head shifted or not,
-whichever is shorter; ``calibany``/``calibksany``: every key so;
+whichever is shorter; ``calibany``/``calibksany``: every key so; any calib
+fix with ``+v`` (``calibksmin+v``): values too stored minus their calibrated
+per-head mean, added back to the attention output;
 ``kscale``: the product's per-channel key scale from
 ``k_norm``, ``turboquant.key_scale``).
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
@@ -145,6 +147,7 @@ class Emu:
         self.capture: dict[int, tuple] | None = None
         self.key_scale: dict[int, torch.Tensor] = {}
         self.calib: dict[int, torch.Tensor] = {}  # layer -> [Hk, 1, D] key mean
+        self.vcalib: dict[int, torch.Tensor] = {}  # layer -> [Hk, 1, D] value mean
         # Needle mode: quantize only what the answer rows read (None: every
         # row reads earlier chunks quantized, as chunked prefill does).
         self.answer_from: int | None = None
@@ -154,7 +157,7 @@ class Emu:
             return k.double()
         if self.kbits == 8:
             return quant_keys_fp8(k)
-        fix = self.fix
+        fix = self.fix.removesuffix("+v")
         if fix == "sign":
             g = torch.Generator().manual_seed(1234 + layer)
             s = self.signs.setdefault(
@@ -221,7 +224,14 @@ class Emu:
             out[..., :4, :] = k[..., :4, :].double()
         return out
 
-    def quant_v(self, v: torch.Tensor) -> torch.Tensor:
+    def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.vbits and self.fix.endswith("+v"):
+            # A value offset: the attention weights sum to one, so values
+            # stored as v - mu_v read back exactly with mu_v added to the
+            # output; the range each value's levels cover shrinks by the part
+            # every value shares.
+            mu = self.vcalib[layer]
+            return quant_values(v.double() - mu, self.vbits) + mu
         out = v.double() if self.vbits == 0 else quant_values(v, self.vbits)
         if self.fix == "sink" and self.vbits:
             out[..., :4, :] = v[..., :4, :].double()
@@ -312,7 +322,7 @@ def _answer_rows_attention(module, query, key, value, scaling):
     rep = q.shape[0] // k.shape[0]
     layer = module.layer_idx
     kk = torch.cat([EMU.quant_k(k[:, :a], layer).float(), k[:, a:].float()], 1)
-    vv = torch.cat([EMU.quant_v(v[:, :a]).float(), v[:, a:].float()], 1)
+    vv = torch.cat([EMU.quant_v(v[:, :a], layer).float(), v[:, a:].float()], 1)
     kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
     n, total = q.shape[1], kk.shape[1]
     scores = torch.einsum("hsd,htd->hst", q.float(), kk) * scaling
@@ -352,7 +362,7 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     if EMU.answer_from is not None:
         return _answer_rows_attention(module, query, key, value, scaling)
     kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
-    vq = EMU.quant_v(v).float().repeat_interleave(rep, 0)
+    vq = EMU.quant_v(v, layer).float().repeat_interleave(rep, 0)
     kr = k.float().repeat_interleave(rep, 0)
     vr = v.float().repeat_interleave(rep, 0)
     q = q.float()
@@ -529,6 +539,11 @@ def needle_cases(
     )
 
 
+def case_label(case) -> str:
+    """A needle case as ``--needle-cases`` and the missed lists name it."""
+    return f"{case.length}@{case.depth}#{case.index}"
+
+
 def needle_answer(tokenizer, case) -> list[int]:
     """The ids a hit starts with: " " and the needle's digits."""
     return tokenizer(" " + case.number, add_special_tokens=False).input_ids
@@ -610,7 +625,8 @@ def main(argv=None) -> int:
         "--fixes",
         default="",
         help="comma list: mean,mean512,calib,calib0,calibraw,calibks0,calibmin,"
-        "calibksmin,calibany,calibksany,sign,chan,sink,kscale",
+        "calibksmin,calibany,calibksany,sign,chan,sink,kscale; a calib* fix with "
+        "'+v' (calibksmin+v) also stores values minus their calibrated mean",
     )
     ap.add_argument(
         "--calib-file",
@@ -640,6 +656,13 @@ def main(argv=None) -> int:
         "list of prompt lengths, the quality harness's cases",
     )
     ap.add_argument("--needles-per-cell", type=int, default=3)
+    ap.add_argument(
+        "--needle-cases",
+        default="",
+        metavar="CASES",
+        help="with --needle: only these cases, a comma list as the output names "
+        "missed ones (LENGTH@DEPTH#INDEX), e.g. a GPU run's misses",
+    )
     ap.add_argument(
         "--needle-corpus",
         default=None,
@@ -740,6 +763,9 @@ def main(argv=None) -> int:
         EMU.calib = {
             li: c[1].double().mean(-2, keepdim=True) for li, c in EMU.capture.items()
         }
+        EMU.vcalib = {
+            li: c[2].double().mean(-2, keepdim=True) for li, c in EMU.capture.items()
+        }
         EMU.capture = None
         print(f"calib: {ids.shape[1]} tokens of {source}")
     if args.stats:
@@ -763,6 +789,12 @@ def main(argv=None) -> int:
     if args.needle:
         lengths = [int(x) for x in args.needle.split(",")]
         cases = needle_cases(tok, lengths, args.needles_per_cell, args.needle_corpus)
+        if args.needle_cases:
+            only = set(args.needle_cases.split(","))
+            cases = [c for c in cases if case_label(c) in only]
+            if len(cases) != len(only):
+                known = {case_label(c) for c in cases}
+                ap.error(f"--needle-cases: no such case {sorted(only - known)}")
         right = {name: [] for name, *_ in configs}
         t0 = time.time()
         for c in cases:
@@ -783,9 +815,7 @@ def main(argv=None) -> int:
         for name, scores in right.items():
             hits = [r == n for r, n in scores]
             digits = sum(r for r, _ in scores) / sum(n for _, n in scores)
-            missed = [
-                f"{c.length}@{c.depth}#{c.index}" for c, h in zip(cases, hits) if not h
-            ]
+            missed = [case_label(c) for c, h in zip(cases, hits) if not h]
             results[name] = {
                 "recall": sum(hits) / len(hits),
                 "answer_tokens_right": digits,

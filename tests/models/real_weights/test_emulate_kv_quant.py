@@ -9,7 +9,7 @@ case but the first of a run measured a chunk-quantized prefill and a
 configuration's result depended on the one before it.
 
 ``calib0``/``calibks0``/``calibraw``/``calibmin`` treat the sequence's first
-key apart from calib's shift."""
+key apart from calib's shift; ``+v`` adds a value offset."""
 
 from types import SimpleNamespace
 
@@ -100,3 +100,24 @@ def test_calibany_stores_every_key_the_shorter_way():
     assert torch.equal(got[0, rest], shifted[0, rest])
     # Key 3 is not a sequence's first: calibmin shifts it.
     assert torch.equal(_shorter_way("calibmin", k, mu)[0][0, 3], shifted[0, 3])
+
+
+def test_a_value_offset_quantizes_what_the_values_do_not_share():
+    """``+v``: values stored minus their calibrated mean and read back with it
+    (the attention output gains it exactly); the key fix before it applies
+    unchanged."""
+    g = torch.Generator().manual_seed(3)
+    mu_v = 6 * torch.randn(2, 1, 64, generator=g).double()
+    v = (mu_v + torch.randn(2, 9, 64, generator=g)).float()
+    k = torch.randn(2, 9, 64, generator=g)
+    mu = torch.randn(2, 1, 64, generator=g).double()
+    e = emu.Emu()
+    e.kbits, e.vbits, e.nc, e.calib, e.vcalib = 3, 3, True, {7: mu}, {7: mu_v}
+    e.fix = "calibmin"
+    keys, plain = e.quant_k(k, 7), e.quant_v(v, 7)
+    e.fix = "calibmin+v"
+    assert torch.equal(e.quant_k(k, 7), keys)
+    got = e.quant_v(v, 7)
+    assert torch.equal(got, emu.quant_values(v.double() - mu_v, 3) + mu_v)
+    vd = v.double()
+    assert (got - vd).norm() < 0.5 * (plain - vd).norm()
