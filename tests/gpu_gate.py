@@ -9,11 +9,12 @@ there are (two: the matrix alone on the first; one: all on it):
   (``spec_decode_matrix --gate``: every model with every speculation method
   it has, auto and turboquant_4bit_nc, eager and FULL CUDA graphs, plus
   k8v4 and 3bit_nc with MTP), each cell token-exact against the same engine
-  without speculation;
+  without speculation or first different at a near-tie (shown as ``tie``);
 * ``kernels``: tests/kernels natively (every kernel against float64);
 * ``tqm``: the TurboQuant x hybrid matrix (``turboquant_matrix``: every
   preset, with and without MTP or a draft, padded pages), against
-  transformers' fp32 decode, the same preset without speculation and auto;
+  transformers' fp32 decode, the same preset without speculation (near-ties
+  as in ``spec``, shown as ``ok tie``) and auto;
 * ``suite``: the other GPU tests (``pytest -m gpu`` over tests/v1,
   tests/plugins_tests and tests/models), each in its own pytest process,
   ``SUITE_JOBS`` at a time;

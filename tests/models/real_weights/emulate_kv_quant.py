@@ -151,6 +151,9 @@ class Emu:
         # Needle mode: quantize only what the answer rows read (None: every
         # row reads earlier chunks quantized, as chunked prefill does).
         self.answer_from: int | None = None
+        # Needle mode: the answer's rows read their own tokens quantized too,
+        # as decode steps do (each stores its token before it attends).
+        self.answer_decoded = False
 
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kbits == 0:
@@ -316,13 +319,17 @@ def _key_scale(module, head_dim: int) -> torch.Tensor:
 def _answer_rows_attention(module, query, key, value, scaling):
     """The teacher-forced answer's rows (the query, after a cached prompt)
     read the prompt's keys and values quantized, as a decode step reads them
-    from the cache, and the answer's own raw."""
+    from the cache, and the answer's own raw (``answer_decoded``: quantized
+    too)."""
     a = EMU.answer_from
     q, k, v = query[0], key[0], value[0]
     rep = q.shape[0] // k.shape[0]
     layer = module.layer_idx
-    kk = torch.cat([EMU.quant_k(k[:, :a], layer).float(), k[:, a:].float()], 1)
-    vv = torch.cat([EMU.quant_v(v[:, :a], layer).float(), v[:, a:].float()], 1)
+    if EMU.answer_decoded:
+        kk, vv = EMU.quant_k(k, layer).float(), EMU.quant_v(v, layer).float()
+    else:
+        kk = torch.cat([EMU.quant_k(k[:, :a], layer).float(), k[:, a:].float()], 1)
+        vv = torch.cat([EMU.quant_v(v[:, :a], layer).float(), v[:, a:].float()], 1)
     kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
     n, total = q.shape[1], kk.shape[1]
     scores = torch.einsum("hsd,htd->hst", q.float(), kk) * scaling
@@ -675,6 +682,12 @@ def main(argv=None) -> int:
         help="with --needle: prefill the whole prompt in --chunk chunks, every row "
         "reading earlier chunks quantized (slow: a full forward per configuration)",
     )
+    ap.add_argument(
+        "--needle-decoded",
+        action="store_true",
+        help="with --needle (not chunked): the answer's rows read the answer's "
+        "own tokens quantized too, as the engine's decode steps do",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -711,6 +724,7 @@ def main(argv=None) -> int:
         layers = [int(x) for x in args.layers.split(",")]
     windows = corpus_windows(tok, args.window, args.windows)
     EMU.chunk = args.chunk
+    EMU.answer_decoded = args.needle_decoded
     print(f"model {path.name}: quantized layers {layers}, {len(windows)} windows")
 
     configs: list[tuple[str, list[int], int, int, bool, str]] = [

@@ -121,3 +121,27 @@ def test_a_value_offset_quantizes_what_the_values_do_not_share():
     assert torch.equal(got, emu.quant_values(v.double() - mu_v, 3) + mu_v)
     vd = v.double()
     assert (got - vd).norm() < 0.5 * (plain - vd).norm()
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_the_answer_rows_read_their_own_tokens_as_configured(monkeypatch, decoded):
+    """Needle mode: the answer's rows read the prompt quantized and their own
+    tokens raw, or (``--needle-decoded``) quantized as decode steps store them."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 3, 64, generator=g)  # [B, Hq, answer rows, D]
+    k = torch.randn(1, 1, 8, 64, generator=g)  # [B, Hk, prompt + answer, D]
+    v = torch.randn(1, 1, 8, 64, generator=g)
+    for name, value in dict(kbits=3, vbits=3, nc=True, fix="", answer_from=5,
+                            answer_decoded=decoded).items():  # fmt: skip
+        monkeypatch.setattr(emu.EMU, name, value)
+    out, _ = emu._answer_rows_attention(
+        SimpleNamespace(layer_idx=0), q, k, v, scaling=0.125
+    )
+    kq, vq = emu.EMU.quant_k(k[0], 0).float(), emu.EMU.quant_v(v[0], 0).float()
+    if not decoded:
+        kq[:, 5:], vq[:, 5:] = k[0, :, 5:], v[0, :, 5:]
+    scores = torch.einsum("hsd,htd->hst", q[0], kq.expand(2, -1, -1)) * 0.125
+    seen = torch.arange(8)[None, :] <= torch.arange(5, 8)[:, None]
+    p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    want = torch.einsum("hst,htd->shd", p, vq.expand(2, -1, -1))
+    torch.testing.assert_close(out[0], want)
