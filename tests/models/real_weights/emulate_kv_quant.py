@@ -154,6 +154,7 @@ class Emu:
         # Needle mode: the answer's rows read their own tokens quantized too,
         # as decode steps do (each stores its token before it attends).
         self.answer_decoded = False
+        self.recent_raw = 0  # with answer_decoded: the nearest tokens read raw
 
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kbits == 0:
@@ -320,23 +321,27 @@ def _answer_rows_attention(module, query, key, value, scaling):
     """The teacher-forced answer's rows (the query, after a cached prompt)
     read the prompt's keys and values quantized, as a decode step reads them
     from the cache, and the answer's own raw (``answer_decoded``: quantized
-    too)."""
+    too, but for the ``recent_raw`` tokens nearest each row)."""
     a = EMU.answer_from
-    q, k, v = query[0], key[0], value[0]
+    q, k, v = query[0].float(), key[0], value[0]
     rep = q.shape[0] // k.shape[0]
     layer = module.layer_idx
-    if EMU.answer_decoded:
-        kk, vv = EMU.quant_k(k, layer).float(), EMU.quant_v(v, layer).float()
-    else:
-        kk = torch.cat([EMU.quant_k(k[:, :a], layer).float(), k[:, a:].float()], 1)
-        vv = torch.cat([EMU.quant_v(v[:, :a], layer).float(), v[:, a:].float()], 1)
-    kk, vv = kk.repeat_interleave(rep, 0), vv.repeat_interleave(rep, 0)
-    n, total = q.shape[1], kk.shape[1]
-    scores = torch.einsum("hsd,htd->hst", q.float(), kk) * scaling
-    seen = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
-    p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-    out = torch.einsum("hst,htd->shd", p, vv).to(query.dtype)
-    return out.unsqueeze(0).contiguous(), None
+    kq = EMU.quant_k(k, layer).float().repeat_interleave(rep, 0)
+    vq = EMU.quant_v(v, layer).float().repeat_interleave(rep, 0)
+    kr = k.float().repeat_interleave(rep, 0)
+    vr = v.float().repeat_interleave(rep, 0)
+    n, total = q.shape[1], kq.shape[1]
+    rows = torch.arange(total - n, total)[:, None]
+    cols = torch.arange(total)[None, :]
+    seen = cols <= rows
+    raw = seen & (rows - cols < EMU.recent_raw if EMU.answer_decoded else cols >= a)
+    sc_q = torch.einsum("hsd,htd->hst", q, kq) * scaling
+    sc_r = torch.einsum("hsd,htd->hst", q, kr) * scaling
+    scores = torch.where(raw, sc_r, sc_q).masked_fill(~seen, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hst,htd->shd", p * raw, vr)
+    out = out + torch.einsum("hst,htd->shd", p * ~raw, vq)
+    return out.to(query.dtype).unsqueeze(0).contiguous(), None
 
 
 def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
@@ -688,6 +693,14 @@ def main(argv=None) -> int:
         help="with --needle (not chunked): the answer's rows read the answer's "
         "own tokens quantized too, as the engine's decode steps do",
     )
+    ap.add_argument(
+        "--recent-raw",
+        type=int,
+        default=0,
+        metavar="W",
+        help="with --needle-decoded: each answer row reads the W tokens nearest "
+        "it (itself included) raw, as a recent window kept at the model dtype",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -725,6 +738,7 @@ def main(argv=None) -> int:
     windows = corpus_windows(tok, args.window, args.windows)
     EMU.chunk = args.chunk
     EMU.answer_decoded = args.needle_decoded
+    EMU.recent_raw = args.recent_raw
     print(f"model {path.name}: quantized layers {layers}, {len(windows)} windows")
 
     configs: list[tuple[str, list[int], int, int, bool, str]] = [

@@ -123,25 +123,29 @@ def test_a_value_offset_quantizes_what_the_values_do_not_share():
     assert (got - vd).norm() < 0.5 * (plain - vd).norm()
 
 
-@pytest.mark.parametrize("decoded", [False, True])
-def test_the_answer_rows_read_their_own_tokens_as_configured(monkeypatch, decoded):
+@pytest.mark.parametrize("decoded, recent", [(False, 0), (True, 0), (True, 2)])
+def test_the_answer_rows_read_their_own_tokens_as_configured(
+    monkeypatch, decoded, recent
+):
     """Needle mode: the answer's rows read the prompt quantized and their own
-    tokens raw, or (``--needle-decoded``) quantized as decode steps store them."""
+    tokens raw, or (``--needle-decoded``) quantized as decode steps store them,
+    but for the ``--recent-raw`` tokens nearest each row."""
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 3, 64, generator=g)  # [B, Hq, answer rows, D]
     k = torch.randn(1, 1, 8, 64, generator=g)  # [B, Hk, prompt + answer, D]
     v = torch.randn(1, 1, 8, 64, generator=g)
     for name, value in dict(kbits=3, vbits=3, nc=True, fix="", answer_from=5,
-                            answer_decoded=decoded).items():  # fmt: skip
+                            answer_decoded=decoded, recent_raw=recent).items():  # fmt: skip
         monkeypatch.setattr(emu.EMU, name, value)
     out, _ = emu._answer_rows_attention(
         SimpleNamespace(layer_idx=0), q, k, v, scaling=0.125
     )
     kq, vq = emu.EMU.quant_k(k[0], 0).float(), emu.EMU.quant_v(v[0], 0).float()
-    if not decoded:
-        kq[:, 5:], vq[:, 5:] = k[0, :, 5:], v[0, :, 5:]
-    scores = torch.einsum("hsd,htd->hst", q[0], kq.expand(2, -1, -1)) * 0.125
-    seen = torch.arange(8)[None, :] <= torch.arange(5, 8)[:, None]
-    p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-    want = torch.einsum("hst,htd->shd", p, vq.expand(2, -1, -1))
-    torch.testing.assert_close(out[0], want)
+    for row in range(5, 8):  # each row's own keys and values, one at a time
+        kr, vr = kq.clone(), vq.clone()
+        first_raw = 5 if not decoded else row - recent + 1
+        kr[:, first_raw : row + 1] = k[0, :, first_raw : row + 1]
+        vr[:, first_raw : row + 1] = v[0, :, first_raw : row + 1]
+        scores = q[0, :, row - 5] @ kr[0, : row + 1].T * 0.125
+        want = torch.softmax(scores, dim=-1) @ vr[0, : row + 1]
+        torch.testing.assert_close(out[0, row - 5], want)
