@@ -148,6 +148,11 @@ class Emu:
         self.key_scale: dict[int, torch.Tensor] = {}
         self.calib: dict[int, torch.Tensor] = {}  # layer -> [Hk, 1, D] key mean
         self.vcalib: dict[int, torch.Tensor] = {}  # layer -> [Hk, 1, D] value mean
+        # calibrot*: the keys' mean before RoPE ([Hk, 1, D]) and the RoPE
+        # frequencies of the quantized layers (NeoX halves).
+        self.calib_pre: dict[int, torch.Tensor] = {}
+        self.inv_freq: torch.Tensor | None = None
+        self.rot_bucket = 1024
         # Needle mode: quantize only what the answer rows read (None: every
         # row reads earlier chunks quantized, as chunked prefill does).
         self.answer_from: int | None = None
@@ -169,6 +174,8 @@ class Emu:
                 (torch.randint(0, 2, (k.shape[-1],), generator=g) * 2 - 1).double(),
             )
             return quant_keys_mse(k, self.kbits, self.nc, s)
+        if fix in ("calibrot", "calibrotb"):
+            return self._quant_k_rotating(k, layer, fix == "calibrotb")
         if fix in ("mean", "mean512") or fix.startswith("calib"):
             # softmax ignores a key offset common to all keys; "mean" takes it
             # over the window (an oracle), "mean512" over the first 512 keys
@@ -228,6 +235,29 @@ class Emu:
             out[..., :4, :] = k[..., :4, :].double()
         return out
 
+    def _quant_k_rotating(self, k: torch.Tensor, layer: int, bucketed: bool):
+        """Keys minus their pre-RoPE mean rotated to each key's position
+        (``bucketed``: averaged over aligned buckets of ``rot_bucket``
+        positions, one offset per bucket), added back after quantizing, as a
+        decode adding ``q . mu(p)`` back per key (or per bucket) would; the
+        first key the shorter way, as calibmin."""
+        kd = k.double()
+        mu = rope(self.calib_pre[layer], torch.arange(kd.shape[-2]), self.inv_freq)
+        if bucketed:
+            t, b = mu.shape[-2], self.rot_bucket
+            pad = -t % b
+            full = torch.cat([mu, mu[..., -1:, :].expand(*mu.shape[:-2], pad, -1)], -2)
+            means = full.unflatten(-2, (-1, b)).mean(-2)
+            mu = means.repeat_interleave(b, -2)[..., :t, :]
+        out = quant_keys_mse(kd - mu, self.kbits, self.nc) + mu
+        k0 = kd[..., :1, :]
+        plain = quant_keys_mse(k0, self.kbits, self.nc)
+        keep = k0.norm(dim=-1, keepdim=True) < (k0 - mu[..., :1, :]).norm(
+            dim=-1, keepdim=True
+        )
+        out[..., :1, :] = torch.where(keep, plain, out[..., :1, :])
+        return out
+
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
         if self.vbits and self.fix.endswith("+v"):
             # A value offset: the attention weights sum to one, so values
@@ -243,6 +273,17 @@ class Emu:
 
 
 EMU = Emu()
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
+    """NeoX-style RoPE (halves rotate together, as Llama and Gemma in
+    transformers): [..., 1 or T, D] at ``positions`` -> [..., T, D]."""
+    angles = positions.double()[:, None] * inv_freq.double()[None, :]
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([angles.sin()] * 2, -1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
 
 
 def _record_stats(layer: int, q, k, v, scaling):
@@ -637,7 +678,8 @@ def main(argv=None) -> int:
         "--fixes",
         default="",
         help="comma list: mean,mean512,calib,calib0,calibraw,calibks0,calibmin,"
-        "calibksmin,calibany,calibksany,sign,chan,sink,kscale; a calib* fix with "
+        "calibksmin,calibany,calibksany,calibrot,calibrotb,sign,chan,sink,kscale; "
+        "a calib* fix with "
         "'+v' (calibksmin+v) also stores values minus their calibrated mean",
     )
     ap.add_argument(
@@ -793,6 +835,15 @@ def main(argv=None) -> int:
         }
         EMU.vcalib = {
             li: c[2].double().mean(-2, keepdim=True) for li, c in EMU.capture.items()
+        }
+        rotary = lm.model.rotary_emb
+        inv = getattr(rotary, "full_attention_inv_freq", None)
+        EMU.inv_freq = rotary.inv_freq if inv is None else inv
+        EMU.calib_pre = {
+            li: rope(c[1].double(), -torch.arange(c[1].shape[-2]), EMU.inv_freq).mean(
+                -2, keepdim=True
+            )
+            for li, c in EMU.capture.items()
         }
         EMU.capture = None
         print(f"calib: {ids.shape[1]} tokens of {source}")
