@@ -18,10 +18,11 @@ planner's prediction. Each generates 64 greedy tokens for the matrix prompts
   them; the prompts are screened for top-1/top-2 gaps >= checkpoints.MIN_GAP
   so bf16 rounding cannot flip a token);
 * with MTP (or a draft model): equals the same model and preset without
-  speculation, token for token (``vs <preset> no-spec``), or first differs
-  where the reference's top-1/top-2 logprob gap is a near-tie
-  (``spec_decode_matrix.compare``: under 1 % of its median gap; a verify row
-  and a decode step may round two nearly equal logits differently);
+  speculation, token for token (``vs <preset> no-spec``), or every prompt
+  that differs first differs where the reference's top-1/top-2 logprob gap
+  is a near-tie (``spec_decode_matrix.near_tie``: under 1 % of its median
+  gap; a verify row and a decode step may round two nearly equal logits
+  differently);
 * a TurboQuant preset without speculation agrees with ``auto`` on at least
   AGREE_MIN[preset] of all tokens (``vs auto``): quantized K/V moves the
   logits a little; a cache read that is wrong moves them a lot (the random
@@ -350,8 +351,9 @@ def check(
         else:
             diffs = first_diffs(ref["outputs"], outs)
             ties = [near_tie(ref.get("gaps"), p, t) for p, t in diffs]
-            if not all(tie for tie, _ in ties):
-                why.append(f"first difference (prompt, token) {diffs[0]}")
+            wrong = [d for d, (tie, _) in zip(diffs, ties) if not tie]
+            if wrong:
+                why.append(f"first difference (prompt, token) {wrong[0]}")
             elif diffs:
                 gaps = ", ".join(f"{g:.2g}" for _, g in ties)
                 row["tie"] = f"differs at near-ties {diffs} (top-1/top-2 gaps {gaps})"
