@@ -46,11 +46,14 @@ def _core(max_model_len=32768, chunked=True, batched=8192):
     [
         (_core(), key_offset.CALIBRATION_TOKENS),
         (_core(max_model_len=512), 511),
+        (_core(max_model_len=4096), 4095),
         (_core(chunked=False, batched=1024), 1024),
     ],
 )
 def test_the_length_fits_the_engine(core, length):
-    """The model length and an unchunked batch bound it; the KV cache's size
+    """As many positions as the model serves, up to CALIBRATION_TOKENS (a
+    post-RoPE mean over the first positions only would not fit far keys).
+    The model length and an unchunked batch bound it; the KV cache's size
     does not (an engine with a drafter has a smaller share for the main
     model's layers, and must calibrate on the same prompt)."""
     assert calibration.calibration_length(core) == length
