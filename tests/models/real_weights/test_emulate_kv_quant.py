@@ -134,8 +134,9 @@ def test_the_answer_rows_read_their_own_tokens_as_configured(
     q = torch.randn(1, 2, 3, 64, generator=g)  # [B, Hq, answer rows, D]
     k = torch.randn(1, 1, 8, 64, generator=g)  # [B, Hk, prompt + answer, D]
     v = torch.randn(1, 1, 8, 64, generator=g)
-    for name, value in dict(kbits=3, vbits=3, nc=True, fix="", answer_from=5,
-                            answer_decoded=decoded, recent_raw=recent).items():  # fmt: skip
+    settings = dict(kbits=3, vbits=3, nc=True, fix="", answer_from=5)
+    settings.update(answer_decoded=decoded, recent_raw=recent)
+    for name, value in settings.items():
         monkeypatch.setattr(emu.EMU, name, value)
     out, _ = emu._answer_rows_attention(
         SimpleNamespace(layer_idx=0), q, k, v, scaling=0.125
