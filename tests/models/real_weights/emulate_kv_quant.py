@@ -203,25 +203,16 @@ class Emu:
                 # dot product per query; a store marks the choice, e.g. in
                 # the key norm's sign bit) keeps softmax's shift invariance.
                 k0 = k[..., :1, :].double()
-                plain = quant_keys_mse(k0 / s, self.kbits, self.nc) * s
-                keep = (k0 / s).norm(dim=-1, keepdim=True) < ((k0 - mu) / s).norm(
-                    dim=-1, keepdim=True
-                )
                 out[..., :1, :] = (
-                    plain
+                    quant_keys_mse(k0 / s, self.kbits, self.nc) * s
                     if fix.endswith("0")
-                    else torch.where(keep, plain, out[..., :1, :])
+                    else self._shorter_way(k0, mu, out[..., :1, :], s)
                 )
             if fix in ("calibany", "calibksany"):
                 # Every key, not only key 0, stored the shorter way (per token
                 # and KV head): a store that needs no positions, only both
                 # norms; a decode subtracts q.mu from every marked key.
-                kd = k.double()
-                plain = quant_keys_mse(kd / s, self.kbits, self.nc) * s
-                keep = (kd / s).norm(dim=-1, keepdim=True) < ((kd - mu) / s).norm(
-                    dim=-1, keepdim=True
-                )
-                out = torch.where(keep, plain, out)
+                out = self._shorter_way(k.double(), mu, out, s)
             return out
         if fix == "chan":
             r = k.double().pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
@@ -250,13 +241,20 @@ class Emu:
             means = full.unflatten(-2, (-1, b)).mean(-2)
             mu = means.repeat_interleave(b, -2)[..., :t, :]
         out = quant_keys_mse(kd - mu, self.kbits, self.nc) + mu
-        k0 = kd[..., :1, :]
-        plain = quant_keys_mse(k0, self.kbits, self.nc)
-        keep = k0.norm(dim=-1, keepdim=True) < (k0 - mu[..., :1, :]).norm(
+        out[..., :1, :] = self._shorter_way(
+            kd[..., :1, :], mu[..., :1, :], out[..., :1, :]
+        )
+        return out
+
+    def _shorter_way(self, kd, mu, shifted, s=1.0) -> torch.Tensor:
+        """Keys ``kd`` quantized unshifted where (divided by the key scale
+        ``s``) that vector is shorter than ``kd - mu``, else ``shifted`` (their
+        shifted quantization): the quantizer's error scales with the length."""
+        plain = quant_keys_mse(kd / s, self.kbits, self.nc) * s
+        keep = (kd / s).norm(dim=-1, keepdim=True) < ((kd - mu) / s).norm(
             dim=-1, keepdim=True
         )
-        out[..., :1, :] = torch.where(keep, plain, out[..., :1, :])
-        return out
+        return torch.where(keep, plain, shifted)
 
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
         if self.vbits and self.fix.endswith("+v"):
