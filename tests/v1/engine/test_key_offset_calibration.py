@@ -3,8 +3,10 @@
 """The engine calibrates TurboQuant key offsets with one prefill at start.
 
 CPU: the prompt (seeded, the model's BOS first), its length (bounded by the
-model length and an unchunked batch), and the workers' side
-(sums opened, the mean set in place, layers that stored nothing reported).
+model length and an unchunked batch), the engine's side (the prompt served
+through its own loop, the offsets set before the prefix cache forgets its
+blocks), and the workers' side (sums opened, the mean set in place, layers
+that stored nothing reported).
 GPU: a tiny Qwen3 engine with 3-bit keys comes up with every 3-bit layer's
 offset equal to the mean post-RoPE key of the calibration prompt as
 transformers computes it (fp32, on the CPU), and no prefix-cache block left
@@ -46,14 +48,12 @@ def _core(max_model_len=32768, chunked=True, batched=8192):
     [
         (_core(), key_offset.CALIBRATION_TOKENS),
         (_core(max_model_len=512), 511),
-        (_core(max_model_len=4096), 4095),
+        (_core(max_model_len=1024), 1023),
         (_core(chunked=False, batched=1024), 1024),
     ],
 )
 def test_the_length_fits_the_engine(core, length):
-    """As many positions as the model serves, up to CALIBRATION_TOKENS (a
-    post-RoPE mean over the first positions only would not fit far keys).
-    The model length and an unchunked batch bound it; the KV cache's size
+    """The model length and an unchunked batch bound it; the KV cache's size
     does not (an engine with a drafter has a smaller share for the main
     model's layers, and must calibrate on the same prompt)."""
     assert calibration.calibration_length(core) == length
@@ -102,6 +102,45 @@ def test_an_engine_without_offset_layers_serves_no_calibration():
     core.add_request = lambda *a: calls.append("add_request")
     calibration.calibrate_key_offsets(core)
     assert calls == ["start_calibration"]
+
+
+def _serving_core(max_model_len, batched):
+    """A core whose executor and scheduler log what calibration asks of them;
+    each request finishes in one step."""
+    log, queue = [], []
+    core = _core(max_model_len=max_model_len, batched=batched)
+    core.vllm_config.parallel_config = SimpleNamespace(data_parallel_size=1)
+    core.vllm_config.model_config.get_vocab_size = lambda: 1000
+    core.vllm_config.model_config.hf_text_config = SimpleNamespace(bos_token_id=1)
+
+    def rpc(fn, args=()):
+        log.append((fn.__name__, *args))
+        return [1] if fn is key_offset.start_calibration else [[]]
+
+    core.model_executor = SimpleNamespace(collective_rpc=rpc)
+    core.preprocess_add_request = lambda request: (request, 0)
+    core.add_request = lambda request, wave: queue.append(request.prompt_token_ids)
+    core.scheduler = SimpleNamespace(has_requests=lambda: bool(queue))
+    core.step_fn = lambda: (log.append(("step", queue.pop())), True)
+    core.post_step = lambda executed: None
+    core.reset_prefix_cache = lambda: log.append(("reset",))
+    return core, log
+
+
+def test_the_engine_serves_the_prompt_then_sets_offsets_then_forgets_it():
+    """The workers set the offsets from the keys the prompt stored, and only
+    then does the prefix cache forget the prompt's blocks (stored before any
+    offset existed), so no later request can hit them."""
+    core, log = _serving_core(max_model_len=4096, batched=512)
+    calibration.calibrate_key_offsets(core)
+    n = key_offset.CALIBRATION_TOKENS
+    prompt = calibration.calibration_prompt(1000, n, bos=1)
+    assert log == [
+        ("start_calibration", n),
+        ("step", prompt),
+        ("finish_calibration",),
+        ("reset",),
+    ]
 
 
 def _mean_keys(model, prompt: list[int]) -> list[torch.Tensor]:

@@ -48,13 +48,12 @@ logger = init_logger(__name__)
 
 # The key widths that take an offset.
 OFFSET_KEY_BITS = (3,)
-# The calibration prefill's longest length. The offset is a post-RoPE mean,
-# and RoPE turns the channel pairs that carry most of a mean key by a radian
-# or more over a long context (SmolLM2: 91 % of it in pairs turning 1-3
-# radians over 8,192 positions), so a mean taken over the first positions
-# only lengthens the keys of far ones; over as many positions as the model
-# serves, up to this, it averages them.
-CALIBRATION_TOKENS = 8192
+# The calibration prefill's longest length. A longer prompt averages RoPE's
+# slowly turning pairs over more positions, but models differ in what that
+# gains: on the GPU, 8,192 random ids against 2,048 took SmolLM2's 3-bit
+# perplexity from 1.016x to 1.013x and Gemma 3's k3v4_nc from 1.026x to
+# 1.062x (benchmarks/quality/FINDINGS-3bit.md).
+CALIBRATION_TOKENS = 2048
 CALIBRATION_SEED = 0
 
 
