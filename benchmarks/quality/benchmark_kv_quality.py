@@ -666,6 +666,14 @@ def _compare_one(c: dict[str, Any], ref: dict[str, Any], inputs_meta: dict) -> N
         cases = inputs_meta[c["model"]]["needle"]["cases"]
         answers = needle.pop("answers")
         needle["cases"] = [{**m, **a} for m, a in zip(cases, answers)]
+    ref_needle = ref.get("needle") or {}
+    ref_cases = ref_needle.get("cases") or ref_needle.get("answers")
+    if isinstance(needle, dict) and "cases" in needle and ref_cases:
+        needle.update(
+            measures.needles_lost(
+                [a["hit"] for a in ref_cases], [a["hit"] for a in needle["cases"]]
+            )
+        )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -28,6 +28,19 @@ def _quantized(cell: dict) -> str:
     return DASH if q is None or n is None else f"{q}/{n}"
 
 
+def _recall(needle: dict) -> str:
+    pct, ci = needle.get("recall_pct"), needle.get("ci95_pct")
+    if pct is None or not ci:
+        return _num(pct, ".1f")
+    return f"{pct:.1f} ({ci[0]:.0f}-{ci[1]:.0f})"
+
+
+def _lost(needle: dict) -> str:
+    if "lost" not in needle:
+        return DASH
+    return f"{needle['lost']} / {needle['gained']}"
+
+
 def header_line(meta: dict) -> str:
     devices = meta.get("devices") or []
     names = sorted({d.get("name", "?") for d in devices})
@@ -55,8 +68,10 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         f"corpus {_int(inputs.get('corpus_tokens'))} tokens. Perplexity over "
         f"{ppl.get('windows', '?')} windows of {ppl.get('window_tokens', '?')} "
         f"tokens; needle recall over {cases} cases (lengths "
-        f"{', '.join(lengths)}; depths 0.1-0.9); agreement: {agree} prompts x "
-        "64 greedy tokens, tokens equal to auto's before the first difference.",
+        f"{', '.join(lengths)}; depths 0.1-0.9; in brackets its 95 % Wilson "
+        "interval; lost / gained: cases auto found and this did not, and the "
+        f"reverse); agreement: {agree} prompts x 64 greedy tokens, tokens "
+        "equal to auto's before the first difference.",
         "",
     ]
     head = [
@@ -66,7 +81,8 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         "KV tokens",
         "perplexity",
         "x auto",
-        "needle %",
+        "needle % (95 % CI)",
+        "lost / gained",
         *(f"@{n}" for n in lengths),
         "agree %",
         "equal",
@@ -91,7 +107,8 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
             _int(c.get("kv_tokens")),
             _num(ppl_c.get("ppl"), ".3f"),
             _num(ppl_c.get("ratio_to_auto"), ".4f"),
-            _num(needle.get("recall_pct"), ".1f"),
+            _recall(needle),
+            _lost(needle),
             *(_num(per_length.get(n), ".0f") for n in lengths),
             _num(agr.get("pct"), ".1f"),
             equal,

@@ -236,8 +236,28 @@ def test_recall_per_length_and_depth(bench):
     cases = [{"length": n, "depth": d} for n in (100, 200) for d in (0.1, 0.9)]
     r = bench.measures.recall_summary(cases, [True, True, False, True])
     assert r["recall_pct"] == 75.0
+    assert r["ci95_pct"] == pytest.approx(bench.measures.wilson_interval(3, 4))
     assert r["per_length"] == {"100": 100.0, "200": 50.0}
     assert r["per_depth"] == {"0.1": 50.0, "0.9": 100.0}
+
+
+@pytest.mark.parametrize(
+    "hits, n, lo, hi",
+    # Wilson's score interval (z = 1.96), worked by hand.
+    [(54, 60, 79.85, 95.34), (60, 60, 93.98, 100.0), (0, 10, 0.0, 27.75)],
+)
+def test_recall_interval_is_wilsons(bench, hits, n, lo, hi):
+    got = bench.measures.wilson_interval(hits, n)
+    assert got == pytest.approx((lo, hi), abs=0.01)
+    with pytest.raises(ValueError, match="needs cases"):
+        bench.measures.wilson_interval(0, 0)
+
+
+def test_needles_lost_and_gained_against_the_reference(bench):
+    got = bench.measures.needles_lost([1, 1, 0, 1, 0], [1, 0, 1, 0, 0])
+    assert got == {"lost": 2, "gained": 1}
+    with pytest.raises(ValueError, match="against"):
+        bench.measures.needles_lost([1], [1, 0])
 
 
 def _cell(model, kv, skip="default", status="ok", **extra):
@@ -259,6 +279,7 @@ def test_compare_with_auto_fills_ratio_agreement_and_cases(bench):
     auto = _cell(
         "m", "auto", ppl={"ppl": 10.0}, agreement={"outputs": [[1, 2], [3, 4]]}
     )
+    auto["needle"] = {"recall_pct": 75.0, "answers": [{"hit": h} for h in (1, 1, 0, 1)]}
     tq = _cell(
         "m",
         "turboquant_k8v4",
@@ -274,6 +295,11 @@ def test_compare_with_auto_fills_ratio_agreement_and_cases(bench):
     assert auto["agreement"]["pct"] == 100.0
     assert [c["hit"] for c in tq["needle"]["cases"]] == [1, 0, 1, 0]
     assert tq["needle"]["cases"][2]["length"] == 2048
+    assert (tq["needle"]["lost"], tq["needle"]["gained"]) == (2, 1)
+    assert (auto["needle"]["lost"], auto["needle"]["gained"]) == (0, 0)
+    # Compared again (a re-read run): the same counts from the kept cases.
+    bench.compare_with_auto(cells, meta)
+    assert (tq["needle"]["lost"], tq["needle"]["gained"]) == (2, 1)
 
 
 def test_markdown_one_table_per_model_with_failures_listed(bench):
@@ -317,6 +343,9 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
                 ppl={"ppl": 17.0, "ratio_to_auto": 1.0725},
                 needle={
                     "recall_pct": 75.0,
+                    "ci95_pct": [30.06, 95.44],
+                    "lost": 1,
+                    "gained": 0,
                     "per_length": {"1024": 100.0, "2048": 50.0},
                 },
                 agreement={"pct": 41.25, "prompts_equal": 3, "prompts": 16},
@@ -332,11 +361,11 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
     head = next(ln for ln in lines if ln.startswith("| KV"))
     assert "| @1024 | @2048 |" in head
     rows = [ln for ln in lines if ln.startswith("| ") and ln != head]
-    auto = "| auto | — | 0/30 | 136,000 | 15.851 | 1.0000 | 100.0 | 100 | 100 "
+    auto = "| auto | — | 0/30 | 136,000 | 15.851 | 1.0000 | 100.0 | — | 100 | 100 "
     assert rows[0] == auto + "| 100.0 | 16/16 | ok |"
-    tq = "| turboquant_3bit_nc | boundary:0 | 30/30 | — | 17.000 | 1.0725 | 75.0 "
-    assert rows[1] == tq + "| 100 | 50 | 41.2 | 3/16 | ok |"
-    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | crash |" in md
+    tq = "| turboquant_3bit_nc | boundary:0 | 30/30 | — | 17.000 | 1.0725 "
+    assert rows[1] == tq + "| 75.0 (30-95) | 1 / 0 | 100 | 50 | 41.2 | 3/16 | ok |"
+    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | — | crash |" in md
     assert "- `m.fp8.default`: crash — ValueError: boom" in md
 
 
