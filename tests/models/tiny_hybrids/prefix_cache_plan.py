@@ -193,6 +193,7 @@ def report_facts(report: Any) -> dict[str, Any]:
         "block_size": report.block_size,
         "page_size_bytes": report.page_size_bytes,
         "padding_fraction": round(report.padding_fraction, 4),
+        "padding_fraction_full_load": round(report.padding_fraction_full_load, 4),
         "num_blocks": report.num_blocks,
         "kv_tokens": report.kv_tokens,
         "max_concurrency": report.max_concurrency,
@@ -367,6 +368,14 @@ MD_COLUMNS = (
 )
 
 
+def _padding(r: dict[str, Any]) -> str:
+    """Padding with every group weighted alike, then with the cache full of
+    max_model_len requests (``padding_fraction_full_load``)."""
+    text = f"{100 * r['padding_fraction']:.1f}%"
+    full = r.get("padding_fraction_full_load")
+    return text if full is None else f"{text} ({100 * full:.1f}% full)"
+
+
 def _pair(pred: dict[str, Any], a: str, b: str) -> str:
     return f"{_num(pred.get(a))} / {_num(pred.get(b))}" if pred else "-"
 
@@ -393,7 +402,7 @@ def markdown_lines(rows: list[dict[str, Any]]) -> list[str]:
                 _num(r.get("page_size_bytes")),
                 _num(r.get("mamba_state_bytes")),
                 "/".join(map(str, r["attention_bytes_per_token"])) or "-",
-                f"{100 * r['padding_fraction']:.1f}%",
+                _padding(r),
                 _num(r.get("kv_tokens")),
             ]
         off_text = (

@@ -215,6 +215,14 @@ class CapacityReport:
     layers, with every layer slot holding the same number of pages (the
     engine's model: kv_cache_page_unify's PagePadding, and a block of a group
     spans every layer slot)."""
+    padding_fraction_full_load: float = 0.0
+    """The same share with the cache full of ``max_model_len`` requests: each
+    group's empty page slots weighted by the blocks such a request holds in
+    it (the per-group counts vLLM's max concurrency takes). An empty slot
+    wastes memory only in blocks its group holds, and a GDN/Mamba group holds
+    a few blocks per request where an attention group holds one per
+    ``block_size`` tokens; ``padding_fraction`` weighs every group alike,
+    which short requests approach."""
     padding_layers: int = 0
     """Empty layer slots of the groups, the engine's "Add N padding layers"."""
     padding_warnings: list[str] = field(default_factory=list)
@@ -1580,14 +1588,17 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
     padding layers" warning, repeated here with its figure), and the share of
     KV memory is taken with every layer slot holding the same number of pages
     (``PagePadding.fraction`` of kv_cache_page_unify, whose log line this
-    equals where no slot is empty).
+    equals where no slot is empty), and again with each group weighted by the
+    blocks a ``max_model_len`` request holds in it.
     """
+    from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     groups = config.kv_cache_groups
     block = sum(t.size for t in config.kv_cache_tensors) // max(1, config.num_blocks)
     slots = max(len(g.layer_names) for g in groups)
     wasted = 0
+    full_wasted = full_blocks = 0
     by_spec: dict[Any, list[Any]] = {}
     for group in groups:
         spec = group.kv_cache_spec
@@ -1598,6 +1609,9 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
             r["layers"] * (r["page_size_bytes"] - r["padding_bytes"]) for r in rows
         )
         uniform_type = isinstance(spec, UniformTypeKVCacheSpecs)
+        held_blocks = cdiv(
+            spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes
+        )
         report.groups.append(
             {
                 "type": type(spec).__name__,
@@ -1609,13 +1623,19 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
                 "padding_bytes": padding.pop() if len(padding) == 1 else None,
                 "dtype": rows[0]["dtype"] if len(rows) == 1 else None,
                 "layer_pages": rows,
+                "blocks_per_request": held_blocks,
             }
         )
         wasted += block - held
+        full_wasted += held_blocks * (block - held)
+        full_blocks += held_blocks
         if not uniform_type:
             by_spec.setdefault(spec, []).append(group)
     report.padding_bytes_per_page_set = wasted
     report.padding_fraction = wasted / (block * len(groups)) if block else 0.0
+    report.padding_fraction_full_load = (
+        full_wasted / (block * full_blocks) if block and full_blocks else 0.0
+    )
     for spec, same in by_spec.items():
         layers = sum(len(g.layer_names) for g in same)
         empty = len(same) * slots - layers
@@ -1764,7 +1784,9 @@ def format_report(r: CapacityReport) -> str:
         )
     lines.append(
         f"  padding: {100 * r.padding_fraction:.2f}% of KV memory holds no data "
-        f"({r.padding_bytes_per_page_set:,} B per block of every group)"
+        f"({r.padding_bytes_per_page_set:,} B per block of every group); "
+        f"{100 * r.padding_fraction_full_load:.2f}% with the cache full of "
+        f"{r.max_model_len:,}-token requests"
     )
     if r.padding_layers:
         lines.append(f"    {r.padding_layers} padding layers; the engine warns:")
