@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What a compressed KV cache does to a trained model: perplexity, needle
-recall and greedy agreement, per KV-cache dtype, on real weights (GPU).
+recall, greedy agreement and the needles' answer NLL, per KV-cache dtype, on
+real weights (GPU).
 
     python benchmarks/quality/benchmark_kv_quality.py \\
         --model smollm2_135m=DIR --model gemma3_270m=DIR [--corpus FILE ...] \\
@@ -41,10 +42,15 @@ Per cell:
 2. Needle recall: "The secret passcode for the <word> vault is <7 digits>."
    in a corpus haystack at depths 0.1-0.9, lengths per model (GRIDS), 3
    needles each; the question in completion form, 12 greedy tokens; a hit
-   when the number appears in the answer. Recall % overall and per length.
+   when the number appears in the answer. Recall % overall and per length,
+   with its 95 % Wilson interval, and the cases lost / gained against auto.
 3. Greedy agreement with auto: 16 corpus excerpts (200-1,500 tokens), 64
    greedy tokens; tokens equal to auto's before the first difference, summed
    over all tokens, and prompts equal throughout.
+4. Answer NLL: each needle prompt followed by its number, scored with
+   ``prompt_logprobs=0``; the number's NLL per case, and against auto on the
+   same cases the mean difference and its standard error. A hit flips on
+   cases at the boundary; this moves by degrees.
 
 Each cell also records the KV dtype and attention backend of every layer as
 the engine runs them, the "GPU KV cache size" it planned, and the wall time
@@ -116,7 +122,7 @@ KV_DTYPES = (
 )
 # Skip-layer settings: label -> kv_cache_dtype_skip_layers (None: not passed).
 SKIPS: dict[str, list[str] | None] = {"default": None, "boundary:0": ["boundary:0"]}
-PHASES = ("ppl", "agreement", "needle")
+PHASES = ("ppl", "agreement", "needle", "answer")
 GIB = 1 << 30
 
 
@@ -666,6 +672,9 @@ def _compare_one(c: dict[str, Any], ref: dict[str, Any], inputs_meta: dict) -> N
         cases = inputs_meta[c["model"]]["needle"]["cases"]
         answers = needle.pop("answers")
         needle["cases"] = [{**m, **a} for m, a in zip(cases, answers)]
+    answer, ref_answer = c.get("answer"), ref.get("answer") or {}
+    if isinstance(answer, dict) and answer.get("nll") and ref_answer.get("nll"):
+        answer["vs_auto"] = measures.paired_difference(ref_answer["nll"], answer["nll"])
     ref_needle = ref.get("needle") or {}
     ref_cases = ref_needle.get("cases") or ref_needle.get("answers")
     if isinstance(needle, dict) and "cases" in needle and ref_cases:

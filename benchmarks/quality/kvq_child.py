@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One cell of the KV-quality harness: one vLLM engine, three measurements.
+"""One cell of the KV-quality harness: one vLLM engine, four measurements.
 
 Run by the harness as ``benchmark_kv_quality.py --child ARGS.json`` in its
 own process (own session, CUDA_VISIBLE_DEVICES set, in-process engine core:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ARGS.json names the checkpoint, the
 engine keyword arguments, the inputs file the parent built and where the
-result goes. The phases run cheapest first (perplexity, agreement, needles)
+result goes. The phases run cheapest first (perplexity, agreement, needles, the
+needles' answers scored under teacher forcing)
 and the result file is rewritten (tmp + rename) after each, so a cell killed
 by its timeout still hands over what it measured. Exit status: 0 every phase
 measured; 3 the engine or a phase raised (the result names which, the log
@@ -164,6 +165,21 @@ def run_needle(llm: Any, sp: Any, prompts: list[list[int]], cases: list) -> dict
     return summary
 
 
+def run_answer(llm: Any, sp: Any, prompts: list[list[int]], cases: list) -> dict:
+    # Each needle prompt followed by its answer, scored as perplexity is:
+    # a continuous measure of retrieval beside the hits, which flip on
+    # cases at the boundary.
+    scored = [p + c["answer"] for p, c in zip(prompts, cases)]
+    params = sp(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate(_as_prompts(scored), params, use_tqdm=False)
+    return measures.answer_summary(
+        [
+            measures.window_nll(ids, o.prompt_logprobs, start=len(p))
+            for ids, p, o in zip(scored, prompts, outs)
+        ]
+    )
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -180,6 +196,8 @@ def _summary(phase: str, result: dict) -> str:
         return f"; recall {got['recall_pct']} %, per length {got['per_length']}"
     if phase == "agreement":
         return f"; {len(got['outputs'])} outputs"
+    if phase == "answer":
+        return f"; mean answer NLL {got['mean_nll']}"
     return ""
 
 
@@ -228,6 +246,9 @@ def main(args_path: str) -> None:
         "ppl": lambda: run_ppl(llm, SamplingParams, prompts["ppl"]),
         "agreement": lambda: run_agreement(llm, SamplingParams, prompts["agreement"]),
         "needle": lambda: run_needle(
+            llm, SamplingParams, prompts["needle"], inputs["meta"]["needle"]["cases"]
+        ),
+        "answer": lambda: run_answer(
             llm, SamplingParams, prompts["needle"], inputs["meta"]["needle"]["cases"]
         ),
     }

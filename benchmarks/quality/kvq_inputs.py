@@ -15,7 +15,9 @@ exactly as long as its grid length says. No vLLM, no torch: only a tokenizer
   SmolLM2 adds none) and then consecutive, non-overlapping corpus tokens.
 * Needle cases: prefix + haystack (corpus tokens from a seeded offset, wrapping
   round the corpus) with the needle sentence after the sentence end nearest
-  the depth, then the question in completion form.
+  the depth, then the question in completion form; its answer, the number as
+  the model would write it next (`` 4572641``), is kept beside it as token
+  ids, to be scored under teacher forcing.
 * Agreement prompts: prefix + corpus excerpts of fixed lengths at fixed
   offsets.
 """
@@ -237,6 +239,8 @@ class NeedleCase:
     needle_at: int
     needle_tokens: int
     at_sentence_end: bool
+    # The number's tokens as the continuation of the prompt (teacher forcing).
+    answer: list[int]
     prompt: list[int]
 
     def meta(self) -> dict[str, Any]:
@@ -314,6 +318,7 @@ def needle_cases(
                         needle_at=len(prefix) + j,
                         needle_tokens=len(needle),
                         at_sentence_end=ends[j - 1],
+                        answer=encode(tok, " " + number),
                         prompt=prompt,
                     )
                 )

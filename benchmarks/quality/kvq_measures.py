@@ -19,8 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def window_nll(prompt: Sequence[int], prompt_logprobs: Sequence[Any]) -> dict:
-    """Summed negative log-likelihood of a window's tokens after its first.
+def window_nll(
+    prompt: Sequence[int], prompt_logprobs: Sequence[Any], start: int = 1
+) -> dict:
+    """Summed negative log-likelihood of a window's tokens from ``start`` on
+    (by default every token after the first, which nothing predicts).
 
     ``top1``: tokens the model ranked first (rank 1), where ranks are given.
     """
@@ -30,8 +33,10 @@ def window_nll(prompt: Sequence[int], prompt_logprobs: Sequence[Any]) -> dict:
         raise ValueError(
             f"{len(prompt_logprobs)} prompt logprobs for {len(prompt)} tokens"
         )
+    if not 1 <= start < len(prompt):
+        raise ValueError(f"no token to score from {start} of {len(prompt)}")
     nll, top1 = 0.0, 0
-    for pos in range(1, len(prompt)):
+    for pos in range(start, len(prompt)):
         entry = prompt_logprobs[pos]
         token = prompt[pos]
         try:
@@ -43,7 +48,7 @@ def window_nll(prompt: Sequence[int], prompt_logprobs: Sequence[Any]) -> dict:
             ) from e
         nll -= float(getattr(lp, "logprob", lp))
         top1 += getattr(lp, "rank", None) == 1
-    return {"nll": nll, "tokens": len(prompt) - 1, "top1": top1}
+    return {"nll": nll, "tokens": len(prompt) - start, "top1": top1}
 
 
 def _finite(x: float) -> float | None:
@@ -135,6 +140,30 @@ def recall_summary(cases: Sequence[dict], hits: Sequence[bool]) -> dict:
         "per_length": per_length,
         "per_depth": per_depth,
     }
+
+
+def answer_summary(scored: Sequence[dict]) -> dict:
+    """Per needle case, the answer's NLL under teacher forcing (``window_nll``
+    over the answer's tokens) and whether each of its tokens ranked first;
+    their mean over the cases."""
+    nll = [s["nll"] for s in scored]
+    return {
+        "nll": nll,
+        "top1": [s["top1"] == s["tokens"] for s in scored],
+        "mean_nll": sum(nll) / len(nll) if nll else None,
+    }
+
+
+def paired_difference(ref: Sequence[float], x: Sequence[float]) -> dict:
+    """Mean of ``x - ref`` over paired cases and its standard error: a
+    preset's answer NLL against auto's on the same needle cases, where a
+    binary hit would flip on cases at the boundary."""
+    if len(ref) != len(x) or not x:
+        raise ValueError(f"{len(x)} cases paired with {len(ref)}")
+    d = [b - a for a, b in zip(ref, x)]
+    mean = sum(d) / len(d)
+    var = sum((v - mean) ** 2 for v in d) / (len(d) - 1) if len(d) > 1 else 0.0
+    return {"mean": mean, "se": math.sqrt(var / len(d)), "cases": len(d)}
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

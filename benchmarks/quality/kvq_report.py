@@ -41,6 +41,11 @@ def _lost(needle: dict) -> str:
     return f"{needle['lost']} / {needle['gained']}"
 
 
+def _answer(answer: dict) -> str:
+    vs = answer.get("vs_auto")
+    return DASH if not vs else f"{vs['mean']:+.3f} ± {vs['se']:.3f}"
+
+
 def header_line(meta: dict) -> str:
     devices = meta.get("devices") or []
     names = sorted({d.get("name", "?") for d in devices})
@@ -70,8 +75,10 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         f"tokens; needle recall over {cases} cases (lengths "
         f"{', '.join(lengths)}; depths 0.1-0.9; in brackets its 95 % Wilson "
         "interval; lost / gained: cases auto found and this did not, and the "
-        f"reverse); agreement: {agree} prompts x 64 greedy tokens, tokens "
-        "equal to auto's before the first difference.",
+        "reverse; answer nats: the number's negative log-likelihood after "
+        "the prompt under teacher forcing, this minus auto's, mean over the "
+        f"cases ± its standard error); agreement: {agree} prompts x 64 greedy "
+        "tokens, tokens equal to auto's before the first difference.",
         "",
     ]
     head = [
@@ -83,6 +90,7 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         "x auto",
         "needle % (95 % CI)",
         "lost / gained",
+        "answer nats vs auto",
         *(f"@{n}" for n in lengths),
         "agree %",
         "equal",
@@ -109,6 +117,7 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
             _num(ppl_c.get("ratio_to_auto"), ".4f"),
             _recall(needle),
             _lost(needle),
+            _answer(c.get("answer") or {}),
             *(_num(per_length.get(n), ".0f") for n in lengths),
             _num(agr.get("pct"), ".1f"),
             equal,

@@ -102,6 +102,9 @@ def _check_cases(inputs, tok, corpus, prefix, cases, lengths, per_cell):
         assert text.count(c.number) == 1
         assert f"the {c.word} vault is {c.number}." in text
         assert text.endswith(f"for the {c.word} vault is")
+        # The answer scored under teacher forcing continues the completion.
+        answered = tok.decode(c.prompt + c.answer)
+        assert answered.endswith(f"for the {c.word} vault is {c.number}")
 
 
 def test_needle_cases_fit_hold_the_needle_once_near_the_depth(bench):
@@ -216,6 +219,30 @@ def test_perplexity_from_prompt_logprobs_skips_the_first_token(bench):
         m.window_nll(a, bad)
     with pytest.raises(ValueError, match="3 prompt logprobs for 4 tokens"):
         m.window_nll(a, bad[:3])
+    # From a later token on: a needle's answer after its prompt.
+    assert m.window_nll(a, _prompt_logprobs(a, lp_a), start=2) == {
+        "nll": 5.0,
+        "tokens": 2,
+        "top1": 0,
+    }
+    with pytest.raises(ValueError, match="no token to score from 4 of 4"):
+        m.window_nll(a, _prompt_logprobs(a, lp_a), start=4)
+
+
+def test_answer_nll_paired_with_auto(bench):
+    m = bench.measures
+    scored = [
+        {"nll": 1.0, "tokens": 2, "top1": 2},
+        {"nll": 4.0, "tokens": 2, "top1": 1},
+    ]
+    s = m.answer_summary(scored)
+    assert s == {"nll": [1.0, 4.0], "top1": [True, False], "mean_nll": 2.5}
+    d = m.paired_difference([1.0, 4.0, 2.0], [1.5, 4.0, 3.5])
+    # Differences 0.5, 0, 1.5: mean 2/3, sample sd sqrt(7/12).
+    assert d["mean"] == pytest.approx(2 / 3) and d["cases"] == 3
+    assert d["se"] == pytest.approx(math.sqrt(7 / 12 / 3))
+    with pytest.raises(ValueError, match="2 cases paired with 3"):
+        m.paired_difference([1.0, 4.0, 2.0], [1.0, 2.0])
 
 
 def test_agreement_counts_tokens_before_the_first_difference(bench):
@@ -349,6 +376,7 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
                     "per_length": {"1024": 100.0, "2048": 50.0},
                 },
                 agreement={"pct": 41.25, "prompts_equal": 3, "prompts": 16},
+                answer={"vs_auto": {"mean": 0.42, "se": 0.105, "cases": 4}},
             ),
             _cell("m", "fp8", status="crash", root_cause="ValueError: boom"),
         ],
@@ -361,11 +389,12 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
     head = next(ln for ln in lines if ln.startswith("| KV"))
     assert "| @1024 | @2048 |" in head
     rows = [ln for ln in lines if ln.startswith("| ") and ln != head]
-    auto = "| auto | — | 0/30 | 136,000 | 15.851 | 1.0000 | 100.0 | — | 100 | 100 "
+    auto = "| auto | — | 0/30 | 136,000 | 15.851 | 1.0000 | 100.0 | — | — | 100 | 100 "
     assert rows[0] == auto + "| 100.0 | 16/16 | ok |"
     tq = "| turboquant_3bit_nc | boundary:0 | 30/30 | — | 17.000 | 1.0725 "
-    assert rows[1] == tq + "| 75.0 (30-95) | 1 / 0 | 100 | 50 | 41.2 | 3/16 | ok |"
-    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | — | crash |" in md
+    tq += "| 75.0 (30-95) | 1 / 0 | +0.420 ± 0.105 "
+    assert rows[1] == tq + "| 100 | 50 | 41.2 | 3/16 | ok |"
+    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | — | — | crash |" in md
     assert "- `m.fp8.default`: crash — ValueError: boom" in md
 
 
@@ -457,6 +486,10 @@ def test_child_phases_read_vllm_outputs(bench):
     needle = child.run_needle(llm, _sampling_params, [[1, 2], [2, 2]], cases)
     assert [a["hit"] for a in needle["answers"]] == [True, False]
     assert needle["recall_pct"] == 50.0
+    cases = [{"answer": [7, 8, 9]}, {"answer": [5]}]
+    answer = child.run_answer(llm, _sampling_params, [[1, 2], [2, 2]], cases)
+    # The fake scores every prompt token at -1: the answer's tokens only.
+    assert answer["nll"] == [3.0, 1.0] and answer["mean_nll"] == 2.0
 
 
 def test_engine_facts_per_layer_and_unknown_with_reason(bench):
@@ -508,7 +541,7 @@ print("INFO GPU KV cache size: 123,456 tokens", flush=True)
 if kind == "ok":
     res = {"key": args["key"], "timings": {"import_s": 1}, "errors": {},
            "ppl": {"ppl": 10.0}, "agreement": {"outputs": [[1]]},
-           "needle": {"answers": []}}
+           "needle": {"answers": []}, "answer": {"nll": []}}
     json.dump(res, open(args["result"], "w"))
 elif kind == "fail":
     print("Traceback (most recent call last):")
@@ -778,11 +811,18 @@ def test_main_end_to_end_with_a_fake_vllm(bench, tmp_path, monkeypatch, capsys):
     assert tq["facts"]["layers_by_dtype"] == {"turboquant_k8v4 (FAKE)": [0, 1, 2, 3]}
     assert tq["facts"]["skip_layers_resolved"] == ["boundary:0"]
     assert len(tq["needle"]["cases"]) == 2 * 5 and tq["needle"]["recall_pct"] == 0.0
+    # The fake scores tokens at -2.0 (auto) and -2.1: each answer's tokens
+    # cost 0.1 nat more apiece, on every case alike.
+    answer_tokens = [len(case["answer"]) for case in tq["needle"]["cases"]]
+    assert tq["answer"]["vs_auto"]["mean"] == pytest.approx(
+        0.1 * sum(answer_tokens) / len(answer_tokens)
+    )
     assert set(tq["timings"]) >= {
         "engine_init_s",
         "ppl_s",
         "agreement_s",
         "needle_s",
+        "answer_s",
         "total_s",
     }
     bad = cells["smollm2_135m.turboquant_3bit_nc.default"]
