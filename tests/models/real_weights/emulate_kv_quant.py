@@ -33,7 +33,9 @@ key quantized unshifted; ``calibraw``: calib, first key raw; ``calibks0``:
 calib0 with kscale; ``calibmin``/``calibksmin``: key 0 per head shifted or not,
 whichever is shorter; ``calibany``/``calibksany``: every key so; any calib
 fix with ``+v`` (``calibksmin+v``): values too stored minus their calibrated
-per-head mean, added back to the attention output;
+per-head mean, added back to the attention output; any fix with ``+vr``
+(``calibksmin+vr``): values stored rotated by a normalized Hadamard matrix,
+the attention output rotated back (the weights are linear in the values);
 ``kscale``: the product's per-channel key scale from
 ``k_norm``, ``turboquant.key_scale``).
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
@@ -53,6 +55,7 @@ Usage:
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -118,6 +121,18 @@ def quant_keys_fp8(k: torch.Tensor) -> torch.Tensor:
     return k.float().to(torch.float8_e4m3fn).double()
 
 
+@functools.cache
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix over sqrt(n) (orthonormal; n a
+    power of two), float64."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
 def quant_values(v: torch.Tensor, bits: int) -> torch.Tensor:
     """Per-vector asymmetric uniform quantization, as ``_store_quantized_value``."""
     v = v.float()
@@ -166,7 +181,7 @@ class Emu:
             return k.double()
         if self.kbits == 8:
             return quant_keys_fp8(k)
-        fix = self.fix.removesuffix("+v")
+        fix = self.fix.split("+")[0]
         if fix == "sign":
             g = torch.Generator().manual_seed(1234 + layer)
             s = self.signs.setdefault(
@@ -257,6 +272,9 @@ class Emu:
         return torch.where(keep, plain, shifted)
 
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.vbits and self.fix.endswith("+vr"):
+            h = hadamard(v.shape[-1])
+            return quant_values(v.double() @ h, self.vbits) @ h.T
         if self.vbits and self.fix.endswith("+v"):
             # A value offset: the attention weights sum to one, so values
             # stored as v - mu_v read back exactly with mu_v added to the
@@ -678,7 +696,8 @@ def main(argv=None) -> int:
         help="comma list: mean,mean512,calib,calib0,calibraw,calibks0,calibmin,"
         "calibksmin,calibany,calibksany,calibrot,calibrotb,sign,chan,sink,kscale; "
         "a calib* fix with "
-        "'+v' (calibksmin+v) also stores values minus their calibrated mean",
+        "'+v' (calibksmin+v) also stores values minus their calibrated mean; "
+        "any fix with '+vr' stores values Hadamard-rotated",
     )
     ap.add_argument(
         "--calib-file",

@@ -123,6 +123,31 @@ def test_a_value_offset_quantizes_what_the_values_do_not_share():
     assert (got - vd).norm() < 0.5 * (plain - vd).norm()
 
 
+def test_rotated_values_are_quantized_in_the_hadamard_basis():
+    """``+vr``: values quantized after a normalized Hadamard rotation and
+    rotated back; an outlier channel no longer sets every level's step. The
+    key fix before it applies unchanged."""
+    h = emu.hadamard(64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="power of two"):
+        emu.hadamard(48)
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(2, 9, 64, generator=g)
+    v[..., 3] *= 40  # one outlier channel, as trained values have
+    k = torch.randn(2, 9, 64, generator=g)
+    mu = torch.randn(2, 1, 64, generator=g).double()
+    e = emu.Emu()
+    e.kbits, e.vbits, e.nc, e.calib = 3, 3, True, {7: mu}
+    e.fix = "calibmin"
+    keys, plain = e.quant_k(k, 7), e.quant_v(v, 7)
+    e.fix = "calibmin+vr"
+    assert torch.equal(e.quant_k(k, 7), keys)
+    got = e.quant_v(v, 7)
+    torch.testing.assert_close(got, emu.quant_values(v.double() @ h, 3) @ h.T)
+    vd = v.double()
+    assert (got - vd).norm() < 0.5 * (plain - vd).norm()
+
+
 @pytest.mark.parametrize("decoded, recent", [(False, 0), (True, 0), (True, 2)])
 def test_the_answer_rows_read_their_own_tokens_as_configured(
     monkeypatch, decoded, recent
