@@ -55,7 +55,6 @@ Usage:
 """
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -121,16 +120,14 @@ def quant_keys_fp8(k: torch.Tensor) -> torch.Tensor:
     return k.float().to(torch.float8_e4m3fn).double()
 
 
-@functools.cache
 def hadamard(n: int) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix over sqrt(n) (orthonormal; n a
-    power of two), float64."""
+    """The backend's orthonormal n x n Sylvester Hadamard matrix, float64;
+    n a power of two (the backend's builder would round it up)."""
+    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return _build_hadamard(n, "cpu").double()
 
 
 def quant_values(v: torch.Tensor, bits: int) -> torch.Tensor:

@@ -104,11 +104,11 @@ def test_an_engine_without_offset_layers_serves_no_calibration():
     assert calls == ["start_calibration"]
 
 
-def _serving_core(max_model_len, batched):
+def _serving_core():
     """A core whose executor and scheduler log what calibration asks of them;
     each request finishes in one step."""
     log, queue = [], []
-    core = _core(max_model_len=max_model_len, batched=batched)
+    core = _core(max_model_len=4096, batched=512)
     core.vllm_config.parallel_config = SimpleNamespace(data_parallel_size=1)
     core.vllm_config.model_config.get_vocab_size = lambda: 1000
     core.vllm_config.model_config.hf_text_config = SimpleNamespace(bos_token_id=1)
@@ -131,7 +131,7 @@ def test_the_engine_serves_the_prompt_then_sets_offsets_then_forgets_it():
     """The workers set the offsets from the keys the prompt stored, and only
     then does the prefix cache forget the prompt's blocks (stored before any
     offset existed), so no later request can hit them."""
-    core, log = _serving_core(max_model_len=4096, batched=512)
+    core, log = _serving_core()
     calibration.calibrate_key_offsets(core)
     n = key_offset.CALIBRATION_TOKENS
     prompt = calibration.calibration_prompt(1000, n, bos=1)
