@@ -302,6 +302,7 @@ def test_backend_decode_routes_here(triton_interpret, monkeypatch, enabled):
     monkeypatch.setattr(tq_decode, "decode_attention", spy)
     impl = object.__new__(turboquant_attn.TurboQuantAttentionImpl)
     impl.scale, impl.tq_config, impl.max_num_kv_splits = D**-0.5, cfg, 8
+    impl._tq_rotates_values = False  # packed_case packs values as they are
     Hq = gqa * Hk
     layer = torch.nn.Module()
     layer._tq_mid_o_buf = poisoned((4, Hq, 8, D + 1), "cpu")

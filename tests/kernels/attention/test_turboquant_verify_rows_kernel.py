@@ -139,9 +139,14 @@ def _dequantized(impl, layer, cache, req: int, length: int):
         num_warps=4,
     )
     k = k_buf[0, :, :length].double()
+    v = v_buf[0, :, :length].double()
     if not cfg.key_fp8:
         k = k @ _build_hadamard(D, str(device)).double()
-    return k.transpose(0, 1), v_buf[0, :, :length].double().transpose(0, 1)
+    # A layer that stores its values rotated (turboquant.value_rotation)
+    # records so on its impl when it first stores.
+    if getattr(impl, "_tq_rotates_values", False):
+        v = v @ _build_hadamard(D, str(device)).double()
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 @pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])

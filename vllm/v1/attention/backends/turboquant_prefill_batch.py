@@ -192,13 +192,15 @@ def _dequantize_cached(
     dtype: torch.dtype,
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a request's first ``cached`` tokens: [cached, Hk, D] each.
 
     0.20.2's dequantization kernel (fp16 out), written token-major; MSE keys
     are rotated back to the model's space as 0.20.2 does (``k @ Pi``), then
     multiplied by the layer's ``key_scale`` when they were stored divided
-    by it, and shifted back by its ``key_offset`` (``unshift_keys``).
+    by it, and shifted back by its ``key_offset`` (``unshift_keys``). Values
+    stored rotated (``value_rotation``) are rotated back the same way.
     """
     Hk, D = kv_cache.shape[2], impl.head_size
     cfg = impl.tq_config
@@ -251,7 +253,8 @@ def _dequantize_cached(
                 keys, kv_cache, block_row, layout.key_index_bytes, key_offset
             )
         keys = keys.to(torch.float16)
-    return keys.to(dtype), v16.to(dtype)
+    values = rotate_query(v16, Pi) if value_rotation else v16
+    return keys.to(dtype), values.to(dtype)
 
 
 def unshift_keys(
@@ -317,6 +320,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the batch's prefill tokens: [prefill tokens, Hq, D],
     written into ``out`` (shaped like ``query``) when given.
@@ -325,7 +329,8 @@ def prefill_attention(
     FlashAttention call where FlashAttention is installed, else SDPA with the
     same bottom-right-aligned causal mask. ``key_scale``: the layer's, when
     its keys are stored divided by it (cached keys are multiplied back);
-    ``key_offset`` the same for a layer whose keys are stored shifted.
+    ``key_offset`` the same for a layer whose keys are stored shifted,
+    ``value_rotation`` for one whose values are stored rotated.
     """
     attend: Callable[..., torch.Tensor] = (
         impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
@@ -352,6 +357,7 @@ def prefill_attention(
                     k.dtype,
                     key_scale,
                     key_offset,
+                    value_rotation,
                 )
                 k_all[c.row : c.row + c.cached] = ck
                 v_all[c.row : c.row + c.cached] = cv

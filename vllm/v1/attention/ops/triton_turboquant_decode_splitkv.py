@@ -31,7 +31,9 @@ Here one program owns (context split, KV head, row):
   ``(p * scale) . idx + sum(p * zero)``: 3/4-bit indices are exact in TF32,
   and ``p * scale`` is split the same way across the two row halves.
 - A small merge kernel combines the splits by log-sum-exp and writes the
-  query's dtype; with one split the first kernel writes it directly.
+  query's dtype; with one split the first kernel writes it directly, unless
+  the values were stored rotated (``turboquant.value_rotation``): the merge
+  then runs for any split count and rotates its output back.
 
 Each row is independent (its own ``seq_lens`` entry and block-table row), so
 one launch serves plain decode rows, speculative verify rows (one row per
@@ -49,6 +51,7 @@ from vllm.v1.attention.ops.turboquant_device import (
     programmatic_launch,
     use_fp8_e4b15,
 )
+from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     SlotLayout,
     stage1_strides,
@@ -676,6 +679,7 @@ def _tq_decode_split_stage1(
 def _tq_decode_split_merge(
     Mid_ptr,
     Out_ptr,
+    Rot_ptr,  # [D, D] fp32 scaled Hadamard matrix, [0, 0] read (ROTATE)
     num_splits,
     stride_mb,
     stride_mh,
@@ -685,6 +689,8 @@ def _tq_decode_split_merge(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,  # launched programmatically: stage 1 may still run
+    ROTATE: tl.constexpr,  # values stored rotated: rotate the output back
+    LOG2_D: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -711,6 +717,9 @@ def _tq_decode_split_merge(
         w_sum = w_sum * alpha + tl.sum(w, axis=0)
         m = m_new
     out = acc / tl.where(w_sum > 0.0, w_sum, 1.0)
+    if ROTATE:
+        # H is symmetric and orthonormal: sum p (H v) = H (sum p v).
+        out = _hadamard_rows(out, HEAD_DIM, LOG2_D) * tl.load(Rot_ptr)
     tl.store(
         Out_ptr + row * stride_ob + head * stride_oh + offs_d,
         out.to(Out_ptr.dtype.element_ty),
@@ -771,9 +780,11 @@ def stage1(
     norm_correction: bool,
     geometry: tuple[int, ...] | None = None,
     qmu: torch.Tensor | None = None,
+    partials: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
-    (row, KV head) into ``mid``, or with one split the output into ``out``.
+    (row, KV head) into ``mid``, or with one split (and not ``partials``)
+    the output into ``out``.
     ``qmu`` ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose
     keys were stored with an offset (``rotate_query_with_offset``)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
@@ -802,7 +813,7 @@ def stage1(
             kv_cache.shape[1],
             group,
             geometry,
-            num_splits > 1,
+            num_splits > 1 or partials,
             min_split_tokens,
             norm_correction,
             use_fp8_e4b15(device) if layout.key_fp8 else 0,
@@ -815,15 +826,25 @@ def stage1(
     )
 
 
-def merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
+def merge(
+    mid: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Combine the splits' partial results in ``mid`` into ``out`` (with
-    one split stage 1 wrote ``out`` itself)."""
-    if num_splits > 1:
+    one split and no ``rotation`` stage 1 wrote ``out`` itself).
+    ``rotation``: the backend's scaled Hadamard matrix, for values stored
+    rotated by it (``turboquant.value_rotation``); stage 1 then wrote
+    partial results however many splits there are, and the merged output is
+    rotated back."""
+    if num_splits > 1 or rotation is not None:
         B, Hq, D = out.shape[0], out.shape[1], out.shape[2]
         pdl = programmatic_launch(out.device)
         launcher(_tq_decode_split_merge)[(Hq, B)](
             mid,
             out,
+            mid if rotation is None else rotation,
             num_splits,
             mid.stride(0),
             mid.stride(1),
@@ -833,6 +854,8 @@ def merge(mid: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor
             HEAD_DIM=D,
             BLOCK_S=MERGE_BLOCK_SPLITS,
             PDL=pdl,
+            ROTATE=rotation is not None,
+            LOG2_D=D.bit_length() - 1,
             num_warps=4 if D <= 256 else 8,
             **({"launch_pdl": True} if pdl else {}),
         )

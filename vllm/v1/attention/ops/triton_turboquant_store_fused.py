@@ -75,6 +75,7 @@ def _tq_store_mse_hadamard(
     HAS_KEY_SCALE: tl.constexpr,
     HAS_KEY_OFFSET: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
+    ROTATE_VALUE: tl.constexpr,  # store H v (turboquant.value_rotation)
 ):
     pid = tl.program_id(0)
     token = pid // H
@@ -118,49 +119,81 @@ def _tq_store_mse_hadamard(
     for j in tl.static_range(2**MSE_BITS - 1):
         idx += (y >= tl.load(Midpoints_ptr + j)).to(tl.int32)
 
-    if MSE_BITS == 4:
-        lo, hi = tl.split(tl.reshape(idx, [D // 2, 2]))
-        tl.store(
-            KV_cache_ptr + slot_base + tl.arange(0, D // 2),
-            (lo | (hi << 4)).to(tl.uint8),
-        )
-    else:  # 3 bits: 8 indices -> 24 bits -> 3 bytes, little endian
-        groups = tl.reshape(idx, [D // 8, 8])
-        word = tl.sum(groups << (tl.arange(0, 8) * 3)[None, :], axis=1)
-        g = tl.arange(0, D // 8) * 3
-        for byte in tl.static_range(3):
-            tl.store(
-                KV_cache_ptr + slot_base + g + byte,
-                ((word >> (8 * byte)) & 0xFF).to(tl.uint8),
-            )
+    _store_codes(KV_cache_ptr + slot_base, idx, D, MSE_BITS)
 
-    # fp16 norm, byte by byte: slots may start at odd addresses.
-    bits = norm.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    bits = _f16_bits(norm)
     if HAS_KEY_OFFSET:
         # A key stored unshifted carries the norm's sign bit, which a norm
         # never sets: its score lacks the -q.mu every shifted key's has.
         bits = bits | (keep.to(tl.int32) << 15)
-    two = tl.arange(0, 2)
-    tl.store(
-        KV_cache_ptr + slot_base + MSE_BYTES + two,
-        ((bits >> (two * 8)) & 0xFF).to(tl.uint8),
-    )
+    _store_u16(KV_cache_ptr + slot_base + MSE_BYTES, bits)
 
-    _store_quantized_value(
-        Value_ptr,
-        KV_cache_ptr,
-        token64 * stride_vt + head * stride_vh,
-        slot_base,
-        d,
-        d < D,
-        D=D,
-        KPS=KPS,
-        VQB=VQB,
-        VAL_DATA_BYTES=VAL_DATA_BYTES,
-        BLOCK_D=D,
-        BLOCK_VAL=BLOCK_VAL,
-        BLOCK_GRP=BLOCK_GRP,
-    )
+    if ROTATE_VALUE:
+        v = tl.load(Value_ptr + token64 * stride_vt + head * stride_vh + d)
+        v = _hadamard_rows(v.to(tl.float32), D, LOG2_D) * tl.load(PiT_ptr)
+        _store_value_codes(KV_cache_ptr + slot_base + KPS, v, D, VQB, VAL_DATA_BYTES)
+    else:
+        _store_quantized_value(
+            Value_ptr,
+            KV_cache_ptr,
+            token64 * stride_vt + head * stride_vh,
+            slot_base,
+            d,
+            d < D,
+            D=D,
+            KPS=KPS,
+            VQB=VQB,
+            VAL_DATA_BYTES=VAL_DATA_BYTES,
+            BLOCK_D=D,
+            BLOCK_VAL=BLOCK_VAL,
+            BLOCK_GRP=BLOCK_GRP,
+        )
+
+
+@triton.jit
+def _store_codes(ptr, idx, D: tl.constexpr, BITS: tl.constexpr):
+    """Pack a [D] vector of BITS-bit codes at ``ptr``: 4 bits two per byte
+    (the lower index in the low nibble), 3 bits eight per 24-bit little-endian
+    word (0.20.2's layouts for keys and values alike)."""
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(idx, [D // 2, 2]))
+        tl.store(ptr + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
+    else:
+        groups = tl.reshape(idx, [D // 8, 8])
+        word = tl.sum(groups << (tl.arange(0, 8) * 3)[None, :], axis=1)
+        g = tl.arange(0, D // 8) * 3
+        for byte in tl.static_range(3):
+            tl.store(ptr + g + byte, ((word >> (8 * byte)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _store_u16(ptr, bits):
+    """Two bytes, little endian: fp16 fields may start at odd addresses."""
+    two = tl.arange(0, 2)
+    tl.store(ptr + two, ((bits >> (two * 8)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _store_value_codes(
+    ptr, v, D: tl.constexpr, VQB: tl.constexpr, VAL_DATA_BYTES: tl.constexpr
+):
+    """A [D] fp32 value in 0.20.2's value field at ``ptr``: VQB-bit codes of
+    the uniform grid from its minimum to its maximum, then the grid's step
+    and minimum as fp16. The arithmetic is 0.20.2's value store's, applied
+    to a vector already in registers."""
+    top: tl.constexpr = (1 << VQB) - 1
+    v_min = tl.min(v, axis=0)
+    step = (tl.max(v, axis=0) - v_min) / top
+    step = tl.where(step > 1e-8, step, 1e-8)
+    idx = tl.minimum(tl.maximum(((v - v_min) / step + 0.5).to(tl.int32), 0), top)
+    _store_codes(ptr, idx, D, VQB)
+    _store_u16(ptr + VAL_DATA_BYTES, _f16_bits(step))
+    _store_u16(ptr + VAL_DATA_BYTES + 2, _f16_bits(v_min))
+
+
+@triton.jit
+def _f16_bits(x):
+    return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -240,6 +273,7 @@ def turboquant_store_hadamard(
     key_scale: torch.Tensor | None = None,  # [D] fp32
     key_offset: torch.Tensor | None = None,  # [H, D] fp32
     positions: torch.Tensor | None = None,  # [N] int
+    value_rotation: bool = False,
 ) -> None:
     """Store MSE-quantized keys and uniform-quantized values in one launch.
 
@@ -251,7 +285,9 @@ def turboquant_store_hadamard(
     is stored as ``(key - key_offset[h]) / key_scale`` or ``key / key_scale``,
     whichever is shorter, the latter with its norm's sign bit set; with
     ``positions`` (the tokens' positions in their sequences) only a
-    sequence's first key may be stored the latter way.
+    sequence's first key may be stored the latter way. With
+    ``value_rotation`` the values stored are ``PiT @ value``, coded as 0.20.2
+    codes values (``turboquant.value_rotation``).
     """
     N, H, D = key.shape
     if D & (D - 1) or D < 16 or mse_bits not in (3, 4):
@@ -300,6 +336,7 @@ def turboquant_store_hadamard(
         HAS_KEY_SCALE=key_scale is not None,
         HAS_KEY_OFFSET=key_offset is not None,
         HAS_POSITIONS=key_offset is not None and positions is not None,
+        ROTATE_VALUE=value_rotation,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
     )
@@ -332,6 +369,7 @@ def turboquant_store(
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> None:
     """The backend's store: ``triton_turboquant_store``'s arguments, with
     ``PiT`` the backend's scaled Hadamard matrix. MSE keys take the fused
@@ -340,17 +378,21 @@ def turboquant_store(
     ``key_scale`` ([D] fp32, MSE keys only): store ``key / key_scale``.
     ``key_offset`` ([H, D] fp32) and ``positions`` ([N]): see
     ``turboquant_store_hadamard``, which alone stores an offset (0.20.2's
-    kernels have no sign bit to read)."""
+    kernels have no sign bit to read) and rotated values
+    (``value_rotation``)."""
     N, H, D = key.shape
-    if key_offset is not None and (
-        key_fp8 or D < 16 or D & (D - 1) or mse_bits not in (3, 4)
+    fused = not key_fp8 and D >= 16 and not D & (D - 1) and mse_bits in (3, 4)
+    for name, wanted, fix in (
+        ("key_offset", key_offset is not None, "bind no offset"),
+        ("value_rotation", value_rotation, "store its values unrotated"),
     ):
-        raise ValueError(
-            "key_offset needs the fused MSE store (power-of-two head_dim >= 16, "
-            f"3- or 4-bit MSE keys), got head_dim={D}, "
-            f"{'FP8 keys' if key_fp8 else f'{mse_bits}-bit keys'}; bind no "
-            "offset for this layer"
-        )
+        if wanted and not fused:
+            keys = "FP8 keys" if key_fp8 else f"{mse_bits}-bit keys"
+            raise ValueError(
+                f"{name} needs the fused MSE store (power-of-two head_dim >= 16, "
+                f"3- or 4-bit MSE keys), got head_dim={D}, {keys}; {fix} for "
+                "this layer"
+            )
     if key_scale is not None and key_fp8:
         raise ValueError(
             "key_scale applies to MSE keys; FP8 keys are stored per element and "
@@ -414,4 +456,5 @@ def turboquant_store(
         key_scale=key_scale,
         key_offset=key_offset,
         positions=positions,
+        value_rotation=value_rotation,
     )

@@ -195,6 +195,7 @@ def decode_attention(
     stage: str | None = None,
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> torch.Tensor:
     """Decode attention over a packed TurboQuant cache: [B, Hq, D].
 
@@ -207,6 +208,9 @@ def decode_attention(
     shifted by it, those stored unshifted marked (``turboquant_store``), so
     ``q . key_offset`` is computed beside the rotation and subtracted from
     the marked keys' scores: every score then carries the same shift.
+    ``value_rotation`` (MSE keys only): the values were stored rotated by
+    ``PiT``, the backend's scaled Hadamard matrix (``turboquant_store``), so
+    the merge rotates the output back, at any split count.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -252,10 +256,10 @@ def decode_attention(
 
     qmu = None
     if key_fp8:
-        if key_scale is not None or key_offset is not None:
+        if key_scale is not None or key_offset is not None or value_rotation:
             raise ValueError(
-                "key_scale and key_offset apply to MSE keys; FP8 keys are stored "
-                "as they are"
+                "key_scale, key_offset and value_rotation apply to MSE keys; FP8 "
+                "keys and their values are stored as they are"
             )
         q_in = query if query.stride(-1) == 1 else query.contiguous()
     elif hadamard_query:
@@ -317,7 +321,7 @@ def decode_attention(
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
         num_splits = num_kv_splits(B, Hk, cap, sms)
-    if num_splits > 1:
+    if num_splits > 1 or value_rotation:
         if held >= num_splits:
             mid = scratch_view(mid_o_buf, B, Hq, num_splits, D)
         else:
@@ -325,7 +329,7 @@ def decode_attention(
                 B, Hq, num_splits, D + 1, dtype=torch.float32, device=device
             )
     else:
-        mid = out  # not read when there is one split
+        mid = out  # not read: stage 1 writes the output
 
     if gluon is not None:
         gluon.stage1(
@@ -347,6 +351,7 @@ def decode_attention(
             value_quant_bits,
             key_tails=False if key_fp8 else gluon.key_tails(centroids),
             qmu=qmu,
+            partials=value_rotation,
         )
     else:
         triton_stage1.stage1(
@@ -365,8 +370,9 @@ def decode_attention(
             norm_correction,
             geometry,
             qmu=qmu,
+            partials=value_rotation,
         )
-    return triton_stage1.merge(mid, out, num_splits)
+    return triton_stage1.merge(mid, out, num_splits, PiT if value_rotation else None)
 
 
 def maybe_decode_attention(
@@ -388,6 +394,7 @@ def maybe_decode_attention(
     output_buf: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> torch.Tensor | None:
     """``triton_turboquant_decode_attention``'s call, served here.
 
@@ -400,22 +407,28 @@ def maybe_decode_attention(
     are stored divided by it; a caller that runs 0.20.2's kernel instead
     multiplies its query by it first. ``key_offset``: the layer's key offset
     (``turboquant.key_offset``); 0.20.2's kernel cannot read the keys stored
-    with one, so a layout it would take is refused.
+    with one, so a layout it would take is refused; the same for
+    ``value_rotation`` (values stored rotated, ``turboquant.value_rotation``).
     """
     B, Hq, D = query.shape
     stage = envs.VLLM_TURBOQUANT_DECODE
     if stage == "legacy" or not supports(
         D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
     ):
-        if key_offset is not None:
+        if key_offset is not None or value_rotation:
+            if key_offset is not None:
+                what = "keys are stored with a key offset"
+                other = "whose keys are not 3-bit"
+            else:
+                what = "values are stored rotated"
+                other = "with FP8 keys (turboquant_k8v4)"
             why = "is switched off" if stage == "legacy" else "does not serve it"
             raise ValueError(
-                f"this layer's keys are stored with a key offset, which only the "
-                f"split-KV decode reads; it {why} "
-                f"here (VLLM_TURBOQUANT_DECODE={stage}, head_dim {D}, {Hq} query / "
-                f"{kv_cache.shape[2]} KV heads). Unset VLLM_TURBOQUANT_DECODE=legacy "
-                "before the engine starts, or serve this model with a TurboQuant "
-                "preset whose keys are not 3-bit"
+                f"this layer's {what}, which only the split-KV decode reads; it "
+                f"{why} here (VLLM_TURBOQUANT_DECODE={stage}, head_dim {D}, {Hq} "
+                f"query / {kv_cache.shape[2]} KV heads). Unset "
+                "VLLM_TURBOQUANT_DECODE=legacy before the engine starts, or serve "
+                f"this model with a TurboQuant preset {other}"
             )
         return None
     if not key_fp8 and PiT is None:
@@ -440,4 +453,5 @@ def maybe_decode_attention(
         stage=stage,
         key_scale=key_scale,
         key_offset=key_offset,
+        value_rotation=value_rotation,
     )
