@@ -366,12 +366,36 @@ def takes_key_offset(cfg) -> bool:
     return not cfg.key_fp8 and cfg.key_mse_bits in key_offset.OFFSET_KEY_BITS
 
 
+def rotates_values(cfg) -> bool:
+    """Whether the backend stores this preset's values rotated (patch 0028;
+    False on a vLLM without it). Every case here has a head_dim and GQA
+    group the split-KV kernels serve, which the backend also asks."""
+    try:
+        from vllm.model_executor.layers.quantization.turboquant import (  # noqa: F401
+            value_rotation,
+        )
+    except ImportError:
+        return False
+    return not cfg.key_fp8
+
+
+def served_extras(cfg, hk: int, D: int) -> dict:
+    """The arguments the backend adds to this preset's decode: a key offset
+    for 3-bit keys (0027), rotated values for MSE keys (0028)."""
+    extras = {}
+    if takes_key_offset(cfg):
+        extras["key_offset"] = torch.randn(hk, D, device="cuda")
+    if rotates_values(cfg):
+        extras["value_rotation"] = True
+    return extras
+
+
 def tq_decode_runner(
     q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new, **offset
 ):
     """0.20.2's entry point (old) or the split-KV kernel (new), as the backend
     calls them: the shared scratch of patch 0008 (``backend_scratch``);
-    ``offset``: the new kernel's ``key_offset``."""
+    ``offset``: the new kernel's ``key_offset`` and ``value_rotation``."""
     from vllm.v1.attention.ops import triton_turboquant_decode as dec
 
     try:
@@ -578,6 +602,15 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     key_offset=torch.randn(hk, D, device="cuda"),
                 )  # fmt: skip
                 _, offset_us = guarded(timer, log, f"offset {label} {preset}", shifted)
+            served_us = None
+            extras = served_extras(cfg, hk, D)
+            if new is not None and "value_rotation" in extras:
+                # As the backend calls it: the key offset and rotated values
+                # of the layers that take them (the output rotated back).
+                served = tq_decode_runner(
+                    q, cache, bt, seq_lens, cfg, centroids, pit, scale, True, **extras
+                )
+                _, served_us = guarded(timer, log, f"served {label} {preset}", served)
             check_rows = sorted({0, B - 1})
             errs = {
                 name: None
@@ -606,6 +639,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     new_us=new_us,
                     new_host_us=new_host_us,
                     offset_us=offset_us,
+                    served_us=served_us,
                     stage1=stage1_of(new),
                     fa_us=fa_us,
                     fa_host_us=fa_host_us,
@@ -896,6 +930,11 @@ def fmt_row(r, bw):
             if r.get("offset_us") and new
             else ""
         )
+        + (
+            f" | as served {fmt_us(r['served_us'])} ({r['served_us'] / new:.3f}x)"
+            if r.get("served_us") and new
+            else ""
+        )
     )
 
 
@@ -987,6 +1026,24 @@ def markdown(meta, rows, bw):
                 f"| {r['case']} {r['heads']} | {r['batch']} x {r['context']} | "
                 f"{r['kv']} | {fmt_us(r['new_us'])} | {fmt_us(r['offset_us'])} | "
                 f"{r['offset_us'] / r['new_us']:.3f}x |"
+            )
+    served_rows = [r for r in rows if r["kind"] == "decode" and r.get("served_us")]
+    if served_rows:
+        out += [
+            "",
+            "The decode as the backend calls it (0027's key offset on 3-bit keys,"
+            " 0028's rotated values on MSE keys, the output rotated back in the"
+            " merge), against the plain decode above:",
+            "",
+            *table_head("case", "batch x context", "KV", "new µs", "as served µs",
+                        "ratio", "% of copy bandwidth"),
+        ]  # fmt: skip
+        for r in served_rows:
+            out.append(
+                f"| {r['case']} {r['heads']} | {r['batch']} x {r['context']} | "
+                f"{r['kv']} | {fmt_us(r['new_us'])} | {fmt_us(r['served_us'])} | "
+                f"{r['served_us'] / r['new_us']:.3f}x | "
+                f"{fmt_pct(pct(r['bytes'], r['served_us'], bw))} |"
             )
     fa_rows = [r for r in rows if r["kind"] == "decode" and r["kv"].startswith("bf16")]
     out += ["", "FA bf16 (% of copy bandwidth on its own bytes):", ""]

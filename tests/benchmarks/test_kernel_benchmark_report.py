@@ -48,6 +48,16 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
         ),
         # A kernel that failed: no times, no stage 1.
         dict(CASE, kind="decode", kv="4bit_nc", bytes=1.4e8, floor_us=46.8),
+        # As the backend calls it: key offset and rotated values (0027, 0028).
+        dict(
+            CASE,
+            kind="decode",
+            kv="3bit_nc",
+            bytes=1.2e8,
+            floor_us=40.0,
+            new_us=120.0,
+            served_us=126.0,
+        ),
         dict(
             CASE,
             kind="splits",
@@ -76,6 +86,10 @@ def test_report_names_the_stage1_its_host_time_and_the_split_points():
     assert "| 206.6 (33%) | gluon | 315.0 | 10.5x | 0.97x |" in decode
     failed = next(line for line in lines if "| 4bit_nc |" in line)
     assert "| n/a (n/a) | n/a | n/a | n/a |" in failed
+    assert (
+        "| Qwen3-4B 32/8x128 | 16 x 8192 | 3bit_nc | 120.0 | 126.0 | 1.050x | 32% |"
+        in md
+    )
     assert "## Default stage 1 at other split counts" in md
     assert (
         "| Qwen3-4B 16 x 8192 | k8v4 | 128 | gluon | 168 | 150.0 | 46% | 2.0e-03 |"
