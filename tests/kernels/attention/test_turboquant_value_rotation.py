@@ -331,12 +331,10 @@ def test_a_mixed_step_reads_rotated_values(
 def test_layers_that_rotate_values(
     preset, head_dim, decode_stage, rotated, monkeypatch
 ):
-    from vllm.model_executor.layers.quantization.turboquant import value_rotation
-
-    monkeypatch.setattr(value_rotation.envs, "VLLM_TURBOQUANT_DECODE", decode_stage)
+    monkeypatch.setattr(tq_decode.envs, "VLLM_TURBOQUANT_DECODE", decode_stage)
     impl = type("Impl", (), {})()
     impl.tq_config = TurboQuantConfig.from_cache_dtype(preset, head_dim)
     impl.head_size, impl.num_heads, impl.num_kv_heads = head_dim, 8, 2
     assert rotates_values(impl) is rotated
-    monkeypatch.setattr(value_rotation.envs, "VLLM_TURBOQUANT_DECODE", "legacy")
+    monkeypatch.setattr(tq_decode.envs, "VLLM_TURBOQUANT_DECODE", "legacy")
     assert rotates_values(impl) is rotated  # decided once per layer

@@ -63,18 +63,19 @@ def layer_key_offset(layer: nn.Module | None) -> torch.Tensor | None:
     return getattr(layer, "_tq_key_offset", None)
 
 
-def takes_key_offset(impl) -> bool:
-    """Whether a ``TurboQuantAttentionImpl``'s keys are stored with an
-    offset: 3-bit MSE keys at a power-of-two head_dim that the one-launch
-    store and the split-KV decode serve (0.20.2's kernels, which
-    ``VLLM_TURBOQUANT_DECODE=legacy`` selects, cannot read the mark)."""
+def fused_kernels_serve(impl) -> bool:
+    """Whether a ``TurboQuantAttentionImpl``'s cache is written by the
+    one-launch store and read by the split-KV decode: MSE keys at a
+    power-of-two head_dim they serve, and not under
+    ``VLLM_TURBOQUANT_DECODE=legacy`` (0.20.2's kernels read only what
+    0.20.2 stores)."""
     from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import supports
 
     cfg = impl.tq_config
     d = impl.head_size
     return (
         not cfg.key_fp8
-        and cfg.key_mse_bits in OFFSET_KEY_BITS
+        and cfg.key_mse_bits in (3, 4)
         and d >= 16
         and not d & (d - 1)
         and envs.VLLM_TURBOQUANT_DECODE != "legacy"
@@ -86,6 +87,17 @@ def takes_key_offset(impl) -> bool:
             cfg.effective_value_quant_bits,
             False,
         )
+    )
+
+
+def takes_key_offset(impl) -> bool:
+    """Whether a ``TurboQuantAttentionImpl``'s keys are stored with an
+    offset: 3-bit keys of a layer ``fused_kernels_serve`` (0.20.2's kernels
+    cannot read the mark)."""
+    return (
+        not impl.tq_config.key_fp8
+        and impl.tq_config.key_mse_bits in OFFSET_KEY_BITS
+        and fused_kernels_serve(impl)
     )
 
 

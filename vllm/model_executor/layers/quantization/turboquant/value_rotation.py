@@ -26,11 +26,15 @@ serve. Not FP8 keys (``turboquant_k8v4``), and not under
 unrotated.
 """
 
-import vllm.envs as envs
+from vllm.model_executor.layers.quantization.turboquant.key_offset import (
+    fused_kernels_serve,
+)
 
 
 def rotates_values(impl) -> bool:
-    """Whether a ``TurboQuantAttentionImpl`` stores its values rotated.
+    """Whether a ``TurboQuantAttentionImpl`` stores its values rotated:
+    where ``fused_kernels_serve`` (MSE keys, the one-launch store and the
+    split-KV decode, not the legacy decode).
 
     Decided once per layer (the answer depends on its configuration and the
     process's ``VLLM_TURBOQUANT_DECODE``, fixed before the engine starts) and
@@ -38,24 +42,6 @@ def rotates_values(impl) -> bool:
     """
     known = getattr(impl, "_tq_rotates_values", None)
     if known is None:
-        from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import supports
-
-        cfg = impl.tq_config
-        d = impl.head_size
-        known = (
-            not cfg.key_fp8
-            and cfg.key_mse_bits in (3, 4)
-            and d >= 16
-            and not d & (d - 1)
-            and envs.VLLM_TURBOQUANT_DECODE != "legacy"
-            and supports(
-                d,
-                impl.num_heads,
-                impl.num_kv_heads,
-                cfg.key_mse_bits,
-                cfg.effective_value_quant_bits,
-                False,
-            )
-        )
+        known = fused_kernels_serve(impl)
         impl._tq_rotates_values = known
     return known
