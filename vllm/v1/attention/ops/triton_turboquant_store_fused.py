@@ -23,7 +23,10 @@ differs from cuBLAS's (which 0.20.2 itself does not fix), so a key
 coordinate within a few fp32 ulps of a bucket midpoint may land in the
 neighbouring bucket; everything else (indices elsewhere, the fp16 norm up to
 its own rounding, value bytes through 0.20.2's own value routine) is what
-0.20.2 stores.
+0.20.2 stores. A layer that stores its values rotated
+(``turboquant.value_rotation``) rotates each value by the same transform and
+codes it from registers with 0.20.2's arithmetic and layout
+(``_store_value_codes``).
 
 FP8 keys (k8v4) were one kernel already, but 0.20.2 copies the strided
 ``qkv`` views first; ``_tq_store_fp8_strided`` is the same per-element cast
