@@ -94,7 +94,7 @@ def test_store_codes_the_rotated_values(preset, triton_device):
     fp16, each coordinate's level the nearest on that grid (a coordinate
     within 1e-3 of a level's boundary may take either side: the kernel
     rotates in fp32). The key field is the unrotated store's."""
-    cfg, cache, k, v = _stored(preset, triton_device)
+    cfg, cache, k, v = _stored(preset, triton_device, n=2 * PAGE)
     n, hk, d = v.shape
     plain = torch.zeros_like(cache)
     _store(cfg, k, v, plain, torch.arange(n, device=triton_device), False)
@@ -259,7 +259,7 @@ def test_the_legacy_decode_is_refused(triton_device, monkeypatch):
 def test_continuations_rotate_values_back(preset, triton_device):
     """The dequantized values are the stored ones times ``H``, and near the
     originals: within the code's half step, rotated."""
-    cfg, cache, _, v = _stored(preset, triton_device)
+    cfg, cache, _, v = _stored(preset, triton_device, n=3 * PAGE)
     n, hk, d = v.shape
     impl = type("Impl", (), {"head_size": d, "tq_config": cfg})()
     pit = _build_hadamard(d, triton_device)
