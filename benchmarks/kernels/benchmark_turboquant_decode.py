@@ -41,6 +41,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 import unittest.mock
 from pathlib import Path
 
@@ -366,26 +367,24 @@ def takes_key_offset(cfg) -> bool:
     return not cfg.key_fp8 and cfg.key_mse_bits in key_offset.OFFSET_KEY_BITS
 
 
-def rotates_values(cfg) -> bool:
-    """Whether the backend stores this preset's values rotated (patch 0028;
-    False on a vLLM without it). Every case here has a head_dim and GQA
-    group the split-KV kernels serve, which the backend also asks."""
+def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
+    """The arguments the backend adds to this preset's decode, by its own
+    rules for a layer of this shape: a key offset for 3-bit keys (0027),
+    rotated values (0028); none on a vLLM without those patches."""
     try:
-        from vllm.model_executor.layers.quantization.turboquant import (  # noqa: F401
+        from vllm.model_executor.layers.quantization.turboquant import (
+            key_offset,
             value_rotation,
         )
     except ImportError:
-        return False
-    return not cfg.key_fp8
-
-
-def served_extras(cfg, hk: int, D: int) -> dict:
-    """The arguments the backend adds to this preset's decode: a key offset
-    for 3-bit keys (0027), rotated values for MSE keys (0028)."""
+        return {}
+    layer = types.SimpleNamespace(
+        tq_config=cfg, head_size=D, num_heads=hq, num_kv_heads=hk
+    )
     extras = {}
-    if takes_key_offset(cfg):
+    if key_offset.takes_key_offset(layer):
         extras["key_offset"] = torch.randn(hk, D, device="cuda")
-    if rotates_values(cfg):
+    if value_rotation.rotates_values(layer):
         extras["value_rotation"] = True
     return extras
 
@@ -603,7 +602,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                 )  # fmt: skip
                 _, offset_us = guarded(timer, log, f"offset {label} {preset}", shifted)
             served_us = None
-            extras = served_extras(cfg, hk, D)
+            extras = served_extras(cfg, hq, hk, D)
             if new is not None and "value_rotation" in extras:
                 # As the backend calls it: the key offset and rotated values
                 # of the layers that take them (the output rotated back).
