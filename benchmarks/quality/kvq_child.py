@@ -63,6 +63,8 @@ def _probe_worker(worker: Any) -> dict:
             "impl": type(getattr(module, "impl", None)).__name__,
             "sliding_window": getattr(module, "sliding_window", None),
             "head_size": getattr(module, "head_size", None),
+            "head_size_v": getattr(module, "head_size_v", None),
+            "num_kv_heads": getattr(module, "num_kv_heads", None),
         }
         cache = getattr(module, "kv_cache", None)
         if isinstance(cache, (list, tuple)):
@@ -74,6 +76,12 @@ def _probe_worker(worker: Any) -> dict:
     config = getattr(runner, "kv_cache_config", None)
     for group in getattr(config, "kv_cache_groups", None) or []:
         spec = group.kv_cache_spec
+        # A group of one type with several page shapes keeps each layer's.
+        per_layer = getattr(spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            own = per_layer.get(name, spec)
+            if name in layers and getattr(own, "block_size", None):
+                layers[name]["bytes_per_token"] = own.page_size_bytes / own.block_size
         groups.append(
             {
                 "spec": type(spec).__name__,
@@ -87,6 +95,17 @@ def _probe_worker(worker: Any) -> dict:
         "layers": layers,
         "kv_cache_groups": groups,
         "num_blocks": getattr(config, "num_blocks", None),
+    }
+
+
+def _bits_inputs(info: dict) -> dict:
+    heads, size = info.get("num_kv_heads"), info.get("head_size")
+    size_v = info.get("head_size_v") or size
+    return {
+        "kv_cache_dtype": info["kv_cache_dtype"],
+        "bytes_per_token": info.get("bytes_per_token"),
+        "elements_per_token": heads * (size + size_v) if heads and size else None,
+        "sliding_window": info.get("sliding_window"),
     }
 
 
@@ -112,6 +131,14 @@ def engine_facts(llm: Any) -> dict:
         label = f"{info['kv_cache_dtype']} ({info['backend']})"
         by_dtype.setdefault(label, []).append(int(m.group(1)) if m else name)
     facts["layers_by_dtype"] = by_dtype
+    try:
+        context = llm.llm_engine.vllm_config.model_config.max_model_len
+        facts["kv_bits"] = measures.kv_bits_per_element(
+            [_bits_inputs(info) for info in probe["layers"].values()], context
+        )
+        facts["kv_bits"]["context"] = context
+    except Exception as e:
+        facts["kv_bits"] = f"unknown: {_exc_line(e)}"
     quantized = [i for i in probe["layers"].values() if i["kv_cache_dtype"] != "auto"]
     facts["quantized_layers"] = len(quantized)
     facts["attention_layers"] = len(probe["layers"])

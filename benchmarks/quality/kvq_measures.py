@@ -166,6 +166,41 @@ def paired_difference(ref: Sequence[float], x: Sequence[float]) -> dict:
     return {"mean": mean, "se": math.sqrt(var / len(d)), "cases": len(d)}
 
 
+def kv_bits_per_element(layers: Sequence[dict], context: int) -> dict:
+    """Bits the KV cache spends per K/V element, all extras (norms, scales,
+    padding) included: each layer's page bytes per token over its ``2 x KV
+    heads x head_size`` elements.
+
+    ``quantized``: over the layers not at the model dtype, weighted by their
+    elements. ``cache``: over one request's whole cache at ``context``
+    tokens, where a sliding-window layer holds at most its window; the
+    layers a skip list keeps at bf16 count here (issue 46's budget is this
+    one). Each layer: ``kv_cache_dtype``, ``bytes_per_token``,
+    ``elements_per_token``, ``sliding_window`` (None: full attention).
+    None where a layer lacks its figures.
+    """
+    if not layers or any(
+        not la.get("bytes_per_token") or not la.get("elements_per_token")
+        for la in layers
+    ):
+        return {"quantized": None, "cache": None}
+
+    def mean_bits(selected: list[dict], tokens) -> float | None:
+        bits = sum(tokens(la) * la["bytes_per_token"] * 8 for la in selected)
+        elements = sum(tokens(la) * la["elements_per_token"] for la in selected)
+        return bits / elements if elements else None
+
+    def held(la: dict) -> int:
+        window = la.get("sliding_window")
+        return min(context, window) if window else context
+
+    quantized = [la for la in layers if la["kv_cache_dtype"] != "auto"]
+    return {
+        "quantized": mean_bits(quantized, lambda la: 1),
+        "cache": mean_bits(list(layers), held),
+    }
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):

@@ -28,6 +28,13 @@ def _quantized(cell: dict) -> str:
     return DASH if q is None or n is None else f"{q}/{n}"
 
 
+def _bits(cell: dict) -> str:
+    bits = (cell.get("facts") or {}).get("kv_bits")
+    if not isinstance(bits, dict):
+        return DASH
+    return f"{_num(bits.get('quantized'), '.2f')} / {_num(bits.get('cache'), '.2f')}"
+
+
 def _recall(needle: dict) -> str:
     pct, ci = needle.get("recall_pct"), needle.get("ci95_pct")
     if pct is None or not ci:
@@ -78,13 +85,17 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         "reverse; answer nats: the number's negative log-likelihood after "
         "the prompt under teacher forcing, this minus auto's, mean over the "
         f"cases ± its standard error); agreement: {agree} prompts x 64 greedy "
-        "tokens, tokens equal to auto's before the first difference.",
+        "tokens, tokens equal to auto's before the first difference; K/V "
+        "bits: per K/V element with norms, scales and padding, over the "
+        "quantized layers / over one request's whole cache at max_model_len, "
+        "bf16 layers included.",
         "",
     ]
     head = [
         "KV",
         "skip layers",
         "quantized layers",
+        "K/V bits",
         "KV tokens",
         "perplexity",
         "x auto",
@@ -112,6 +123,7 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
             c["kv"],
             _skip_label(c),
             _quantized(c),
+            _bits(c),
             _int(c.get("kv_tokens")),
             _num(ppl_c.get("ppl"), ".3f"),
             _num(ppl_c.get("ratio_to_auto"), ".4f"),

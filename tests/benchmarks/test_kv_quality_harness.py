@@ -366,7 +366,11 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
                 "m",
                 "turboquant_3bit_nc",
                 "boundary:0",
-                facts={"quantized_layers": 30, "attention_layers": 30},
+                facts={
+                    "quantized_layers": 30,
+                    "attention_layers": 30,
+                    "kv_bits": {"quantized": 3.375, "cache": 3.375},
+                },
                 ppl={"ppl": 17.0, "ratio_to_auto": 1.0725},
                 needle={
                     "recall_pct": 75.0,
@@ -389,12 +393,12 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
     head = next(ln for ln in lines if ln.startswith("| KV"))
     assert "| @1024 | @2048 |" in head
     rows = [ln for ln in lines if ln.startswith("| ") and ln != head]
-    auto = "| auto | — | 0/30 | 136,000 | 15.851 | 1.0000 | 100.0 | — | — | 100 | 100 "
-    assert rows[0] == auto + "| 100.0 | 16/16 | ok |"
-    tq = "| turboquant_3bit_nc | boundary:0 | 30/30 | — | 17.000 | 1.0725 "
-    tq += "| 75.0 (30-95) | 1 / 0 | +0.420 ± 0.105 "
+    auto = "| auto | — | 0/30 | — | 136,000 | 15.851 | 1.0000 | 100.0 | — | — "
+    assert rows[0] == auto + "| 100 | 100 | 100.0 | 16/16 | ok |"
+    tq = "| turboquant_3bit_nc | boundary:0 | 30/30 | 3.38 / 3.38 | — | 17.000 "
+    tq += "| 1.0725 | 75.0 (30-95) | 1 / 0 | +0.420 ± 0.105 "
     assert rows[1] == tq + "| 100 | 50 | 41.2 | 3/16 | ok |"
-    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | — | — | crash |" in md
+    assert "| fp8 | — | — | — | — | — | — | — | — | — | — | — | — | — | crash |" in md
     assert "- `m.fp8.default`: crash — ValueError: boom" in md
 
 
@@ -445,7 +449,8 @@ class FakeLLM:
             vllm_config=SimpleNamespace(
                 cache_config=SimpleNamespace(
                     num_gpu_blocks=100, block_size=16, kv_cache_dtype_skip_layers=["0"]
-                )
+                ),
+                model_config=SimpleNamespace(max_model_len=2048),
             )
         )
 
@@ -503,8 +508,15 @@ def test_engine_facts_per_layer_and_unknown_with_reason(bench):
             impl=None,
             sliding_window=window,
             head_size=256,
+            num_kv_heads=1,
             kv_cache=SimpleNamespace(dtype="torch.uint8", shape=(10, 16, 1, 200)),
         )
+
+    def group(names, page, window=None):
+        spec = SimpleNamespace(
+            block_size=16, page_size_bytes=page, dtype="x", sliding_window=window
+        )
+        return SimpleNamespace(kv_cache_spec=spec, layer_names=names)
 
     ctx = {
         f"model.layers.{i}.self_attn.attn": layer(
@@ -518,10 +530,31 @@ def test_engine_facts_per_layer_and_unknown_with_reason(bench):
     worker = SimpleNamespace(
         model_runner=SimpleNamespace(
             compilation_config=SimpleNamespace(static_forward_context=ctx),
-            kv_cache_config=SimpleNamespace(num_blocks=100, kv_cache_groups=[]),
+            kv_cache_config=SimpleNamespace(
+                num_blocks=100,
+                kv_cache_groups=[
+                    # bf16: 16 tokens x 2 x 1 head x 256 x 2 bytes; a
+                    # 392-byte TurboQuant slot over 512 elements.
+                    group(
+                        [f"model.layers.{i}.self_attn.attn" for i in range(5)],
+                        16 * 1024,
+                        512,
+                    ),
+                    group(["model.layers.5.self_attn.attn"], 16 * 392),
+                ],
+            ),
         )
     )
     facts = child.engine_facts(FakeLLM(worker))
+    layer5 = facts["layers"]["model.layers.5.self_attn.attn"]
+    assert layer5["bytes_per_token"] == 392
+    # Five sliding layers hold 512 tokens of the 2,048 the full layer holds.
+    cache = (5 * 512 * 1024 + 2048 * 392) * 8 / (5 * 512 * 512 + 2048 * 512)
+    assert facts["kv_bits"] == {
+        "quantized": 392 * 8 / 512,
+        "cache": pytest.approx(cache),
+        "context": 2048,
+    }
     assert facts["layers_by_dtype"] == {
         "auto (FLASH_ATTN)": [0, 1, 2, 3, 4],
         "turboquant_k8v4 (TURBOQUANT)": [5],
@@ -724,7 +757,9 @@ class LLM:
         cache = types.SimpleNamespace(
             num_gpu_blocks=6144, block_size=16,
             kv_cache_dtype_skip_layers=kw.get("kv_cache_dtype_skip_layers"))
-        config = types.SimpleNamespace(cache_config=cache)
+        config = types.SimpleNamespace(
+            cache_config=cache,
+            model_config=types.SimpleNamespace(max_model_len=8192))
         self.llm_engine = types.SimpleNamespace(vllm_config=config)
 
     def generate(self, prompts, params, use_tqdm=True):
@@ -746,11 +781,17 @@ class LLM:
         kv = self.kv
         backend = types.SimpleNamespace(get_name=lambda: "FAKE")
         layer = types.SimpleNamespace(kv_cache_dtype=kv, sliding_window=None,
-                                      head_size=64, attn_backend=backend)
+                                      head_size=64, num_kv_heads=1,
+                                      attn_backend=backend)
         ctx = {f"model.layers.{i}.self_attn.attn": layer for i in range(4)}
+        # 100 bytes a token for TurboQuant, 256 (bf16) for auto.
+        spec = types.SimpleNamespace(
+            block_size=16, page_size_bytes=16 * (256 if kv == "auto" else 100))
+        group = types.SimpleNamespace(kv_cache_spec=spec, layer_names=list(ctx))
         runner = types.SimpleNamespace(
             compilation_config=types.SimpleNamespace(static_forward_context=ctx),
-            kv_cache_config=types.SimpleNamespace(num_blocks=6144, kv_cache_groups=[]))
+            kv_cache_config=types.SimpleNamespace(num_blocks=6144,
+                                                  kv_cache_groups=[group]))
         return [fn(types.SimpleNamespace(model_runner=runner))]
 """
 
@@ -828,10 +869,43 @@ def test_main_end_to_end_with_a_fake_vllm(bench, tmp_path, monkeypatch, capsys):
     bad = cells["smollm2_135m.turboquant_3bit_nc.default"]
     assert bad["status"] == "failed" and bad["rc"] == 3
     assert bad["root_cause"] == "ValueError: fake: no 3-bit today"
-    assert "| turboquant_k8v4 | boundary:0 | 4/4 | 98,304 |" in md
+    assert "| turboquant_k8v4 | boundary:0 | 4/4 | 6.25 / 6.25 | 98,304 |" in md
     cause = "failed — ValueError: fake: no 3-bit today"
     assert f"- `smollm2_135m.turboquant_3bit_nc.default`: {cause}" in md
     import tarfile
 
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert len(tar.getnames()) == 5
+
+
+def test_kv_bits_count_every_byte_and_the_bf16_layers(bench):
+    m = bench.measures
+
+    def layer(kv, nbytes, window=None):
+        # SmolLM2's shape: 3 KV heads x head_dim 64, 384 elements a token.
+        return {
+            "kv_cache_dtype": kv,
+            "bytes_per_token": nbytes,
+            "elements_per_token": 384,
+            "sliding_window": window,
+        }
+
+    # 3bit_nc at head_dim 64: keys 24 + 2 bytes (norm), values 24 + 4
+    # (scale, zero), 54 bytes a head: 3.375 bits per element.
+    every = [layer("turboquant_3bit_nc", 3 * 54) for _ in range(30)]
+    assert m.kv_bits_per_element(every, 8192) == {"quantized": 3.375, "cache": 3.375}
+    # The default skip list keeps 4 of 30 layers at bf16: the cache spends
+    # (26 x 3.375 + 4 x 16) / 30 bits.
+    skipped = every[:26] + [layer("auto", 768) for _ in range(4)]
+    bits = m.kv_bits_per_element(skipped, 8192)
+    assert bits["quantized"] == 3.375
+    assert bits["cache"] == pytest.approx((26 * 3.375 + 4 * 16) / 30)
+    # A sliding layer holds its window only.
+    slide = [layer("auto", 768, window=512), layer("turboquant_3bit_nc", 162)]
+    got = m.kv_bits_per_element(slide, 4096)["cache"]
+    assert got == pytest.approx((512 * 16 + 4096 * 3.375) / (512 + 4096))
+    # A layer without its figures makes the whole answer unknown, not wrong.
+    assert m.kv_bits_per_element([*every, layer("auto", None)], 8192) == {
+        "quantized": None,
+        "cache": None,
+    }
