@@ -4,8 +4,9 @@
 rotate attention's output back.
 
 ``turboquant.value_rotation``: the store codes ``H v`` (``H`` the backend's
-scaled Hadamard matrix) with 0.20.2's min/max value code; the decodes' merge
-rotates the output back at any split count; continuations rotate the
+scaled Hadamard matrix) with 0.20.2's min/max value code; the decodes
+rotate the output back (the merge where they split, one pass of its own at
+one split); continuations rotate the
 dequantized values back. Checked against float64 references of the codes,
 of attention over the stored slots, and of attention over the original
 values through the backend's mixed step. Values here have a few outlier
@@ -35,6 +36,7 @@ from tests.kernels.attention.turboquant_packed import (
     decode,
     dequantize,
     fp16_values,
+    poisoned,
     unpack_bits,
 )
 from tests.kernels.attention.turboquant_store_args import store_kwargs
@@ -50,6 +52,9 @@ from vllm.v1.attention.backends.turboquant_prefill_batch import (
     aligned_block_row,
 )
 from vllm.v1.attention.ops import turboquant_decode as tq_decode
+from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
+    rotate_output_back,
+)
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
 
@@ -181,8 +186,8 @@ def _decode_case(preset, device):
     ],
 )
 def test_triton_decode_rotates_the_output_back(preset, num_splits, triton_device):
-    """At one split too: stage 1 then writes partial results, which the
-    merge rotates back."""
+    """At one split too: stage 1 then writes the output, which one pass
+    rotates back in place."""
     cfg, cache, table, seq_t, query = _decode_case(preset, triton_device)
     d = query.shape[-1]
     out = decode(
@@ -195,6 +200,52 @@ def test_triton_decode_rotates_the_output_back(preset, num_splits, triton_device
     err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL, err
     assert not out[SEQ_LENS.index(0)].any()
+
+
+@pytest.mark.parametrize("stage", ["triton", "gluon"])
+def test_one_split_writes_no_partial_results(
+    stage,
+    triton_interpret,
+    gluon_on_numpy,  # noqa: F811 (the fixture imported above)
+):
+    """A decode that does not split skips the merge: stage 1 writes the
+    output in the model dtype (fp16 here: Gluon on NumPy has no bf16), and
+    one pass rotates it back in place. The
+    split scratch stays untouched: fp32 partial results and a merge there
+    would cost a large batch what not splitting saves."""
+    cfg, cache, table, seq_t, query = _decode_case(
+        "turboquant_4bit_nc", triton_interpret
+    )
+    B, Hq, d = query.shape
+    scratch = poisoned((B, Hq, 4, d + 1), triton_interpret)
+    out = decode(
+        query.half(), cache, table, seq_t, cfg,
+        get_centroids(d, cfg.centroid_bits), _build_hadamard(d, "cpu"),
+        hadamard_query=True, stage=stage, num_splits=1, value_rotation=True,
+        mid_o_buf=scratch,
+    )  # fmt: skip
+    assert stage == "triton" or gluon_on_numpy, "the Gluon stage 1 did not run"
+    assert scratch.isnan().all(), "stage 1 wrote partial results at one split"
+    assert out.dtype == torch.float16
+    ref = _reference(query.half().float(), cache, cfg, d**-0.5)
+    err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    # Two roundings to fp16 (stage 1's output, then the rotated one).
+    assert err < 2**-9, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 256])
+def test_rotate_output_back_in_place(d, dtype, triton_device):
+    """Every (row, head) of a strided output times ``H``, in place; 6 query
+    heads leave the last program of each row half empty."""
+    g = torch.Generator().manual_seed(7)
+    held = torch.randn(5, 6, d, generator=g).to(dtype)
+    x = held[:3].to(triton_device)  # an output_buf's first rows
+    pit = _build_hadamard(d, triton_device)
+    ref = held[:3].double() @ _build_hadamard(d, "cpu").double()
+    assert rotate_output_back(x, pit) is x
+    err = (x.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < (2**-7 if dtype == torch.bfloat16 else 1e-6), err
 
 
 @pytest.mark.parametrize("preset, num_splits", [("turboquant_k3v4_nc", 1),

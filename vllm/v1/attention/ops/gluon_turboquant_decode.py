@@ -1324,11 +1324,9 @@ def stage1(
     value_bits: int = 4,
     key_tails: bool = True,
     qmu: torch.Tensor | None = None,
-    partials: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
-    (row, KV head) into ``mid``, or with one split (and not ``partials``)
-    the output into ``out``;
+    (row, KV head) into ``mid``, or with one split the output into ``out``;
     ``triton_turboquant_decode_splitkv.merge`` combines them. ``qmu``
     ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose keys were
     stored with an offset (``rotate_query_with_offset``)."""
@@ -1372,7 +1370,7 @@ def stage1(
         key_packed_size,
         norm_correction,
         word32,
-        num_splits > 1 or partials,
+        num_splits > 1,
         min_split_tokens,
         value_bits,
         key_tails,

@@ -31,9 +31,10 @@ Here one program owns (context split, KV head, row):
   ``(p * scale) . idx + sum(p * zero)``: 3/4-bit indices are exact in TF32,
   and ``p * scale`` is split the same way across the two row halves.
 - A small merge kernel combines the splits by log-sum-exp and writes the
-  query's dtype; with one split the first kernel writes it directly, unless
-  the values were stored rotated (``turboquant.value_rotation``): the merge
-  then runs for any split count and rotates its output back.
+  query's dtype; with one split the first kernel writes it directly. Values
+  stored rotated (``turboquant.value_rotation``) give an output in the
+  rotated basis: the merge rotates it back, and at one split
+  ``rotate_output_back`` does, in place.
 
 Each row is independent (its own ``seq_lens`` entry and block-table row), so
 one launch serves plain decode rows, speculative verify rows (one row per
@@ -51,7 +52,7 @@ from vllm.v1.attention.ops.turboquant_device import (
     programmatic_launch,
     use_fp8_e4b15,
 )
-from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
+from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows, _hadamard_tile
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     SlotLayout,
     stage1_strides,
@@ -87,6 +88,11 @@ def default_geometry(head_dim: int, key_fp8: bool) -> tuple[int, int, int, int]:
 # Splits the merge reads per step (a [MERGE_BLOCK_SPLITS, head_dim] fp32
 # tile): the backend's 32 per row in one step.
 MERGE_BLOCK_SPLITS = 32
+# Query heads of one row that a program of the one-split rotation rotates
+# back. The same pass over fp32 input, 512 rows x 32 heads x 128 on an H200:
+# 6.6 us at 4 a program (4 warps), 6.9 at 8 or 16, 11-15 us at one; the
+# merge at one split took 19 us there.
+ROTATE_BACK_HEADS = 4
 # Query heads per KV head this kernel serves (the head and tail halves of a
 # 16-row dot operand).
 MAX_GROUP = 8
@@ -726,6 +732,65 @@ def _tq_decode_split_merge(
     )
 
 
+# A one-split decode of values stored rotated: stage 1 wrote its output in
+# the rotated basis, in the output's dtype; rotated back in place, HEADS
+# query heads of one row a program.
+@triton.jit
+def _tq_rotate_output_back(
+    Out_ptr,
+    Rot_ptr,  # [D, D] fp32 scaled Hadamard matrix, [0, 0] read
+    num_heads,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
+    LOG2_D: tl.constexpr,
+):
+    heads = tl.program_id(0) * HEADS + tl.arange(0, HEADS)
+    row = tl.program_id(1)
+    live = (heads < num_heads)[:, None]
+    ptrs = (
+        Out_ptr
+        + row * stride_ob
+        + heads[:, None] * stride_oh
+        + tl.arange(0, HEAD_DIM)[None, :]
+    )
+    x = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+    x = _hadamard_tile(x, HEADS, HEAD_DIM, LOG2_D) * tl.load(Rot_ptr)
+    tl.store(ptrs, x.to(Out_ptr.dtype.element_ty), mask=live)
+
+
+def rotate_output_back(out: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate a one-split decode's output ([B, Hq, D], its last dimension
+    contiguous) back by ``rotation``, the backend's scaled Hadamard matrix,
+    in place: values stored rotated by it were read as they are stored.
+
+    The merge does this for decodes that split; at one split it would read
+    back a partial result stage 1 had to write in fp32 first, which made
+    512 rows of 640 tokens 1.22-1.24x slower on an H200 (benchmarks/NOTES.md).
+    Here stage 1 writes the output as for unrotated values and this pass
+    reads and writes it once more (one more rounding to its dtype)."""
+    B, Hq, D = out.shape
+    if out.stride(-1) != 1:
+        raise ValueError(
+            f"rotate_output_back needs the output's last dimension contiguous, "
+            f"got stride {out.stride(-1)}"
+        )
+    heads = min(ROTATE_BACK_HEADS, triton.next_power_of_2(Hq))
+    launcher(_tq_rotate_output_back)[(triton.cdiv(Hq, heads), B)](
+        out,
+        rotation,
+        Hq,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=D,
+        HEADS=heads,
+        LOG2_D=D.bit_length() - 1,
+        num_warps=4,
+    )
+    return out
+
+
 def stage1_constexprs(
     layout: SlotLayout,
     page: int,
@@ -780,11 +845,9 @@ def stage1(
     norm_correction: bool,
     geometry: tuple[int, ...] | None = None,
     qmu: torch.Tensor | None = None,
-    partials: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
-    (row, KV head) into ``mid``, or with one split (and not ``partials``)
-    the output into ``out``.
+    (row, KV head) into ``mid``, or with one split the output into ``out``.
     ``qmu`` ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose
     keys were stored with an offset (``rotate_query_with_offset``)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
@@ -813,7 +876,7 @@ def stage1(
             kv_cache.shape[1],
             group,
             geometry,
-            num_splits > 1 or partials,
+            num_splits > 1,
             min_split_tokens,
             norm_correction,
             use_fp8_e4b15(device) if layout.key_fp8 else 0,
@@ -833,12 +896,11 @@ def merge(
     rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combine the splits' partial results in ``mid`` into ``out`` (with
-    one split and no ``rotation`` stage 1 wrote ``out`` itself).
+    one split stage 1 wrote ``out`` itself, and nothing is merged).
     ``rotation``: the backend's scaled Hadamard matrix, for values stored
-    rotated by it (``turboquant.value_rotation``); stage 1 then wrote
-    partial results however many splits there are, and the merged output is
-    rotated back."""
-    if num_splits > 1 or rotation is not None:
+    rotated by it (``turboquant.value_rotation``): the merged output is
+    rotated back; at one split ``rotate_output_back`` does that."""
+    if num_splits > 1:
         B, Hq, D = out.shape[0], out.shape[1], out.shape[2]
         pdl = programmatic_launch(out.device)
         launcher(_tq_decode_split_merge)[(Hq, B)](

@@ -6,8 +6,10 @@ parts, with which scratch.
 Decode attention over a packed TurboQuant cache runs in two launches (three
 with the query rotation of MSE keys): a stage 1 in which one program owns a
 (context split, KV head, row) and reads each packed slot once for all query
-heads of its group, and a merge of the splits by log-sum-exp. Two stage 1
-kernels write the same partial results:
+heads of its group, and a merge of the splits by log-sum-exp (at one split
+stage 1 writes the output; values stored rotated are then rotated back by a
+pass of their own instead of the merge). Two stage 1 kernels write the same
+partial results:
 
 - ``gluon_turboquant_decode``: Gluon, NVIDIA sm_89+, where it serves the
   layout (head_dim 128/256/512, pages of whole 16-token tiles, symmetric
@@ -210,7 +212,8 @@ def decode_attention(
     the marked keys' scores: every score then carries the same shift.
     ``value_rotation`` (MSE keys only): the values were stored rotated by
     ``PiT``, the backend's scaled Hadamard matrix (``turboquant_store``), so
-    the merge rotates the output back, at any split count.
+    the output is rotated back: by the merge where the decode splits, by
+    ``rotate_output_back`` at one split.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -321,7 +324,7 @@ def decode_attention(
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
         num_splits = num_kv_splits(B, Hk, cap, sms)
-    if num_splits > 1 or value_rotation:
+    if num_splits > 1:
         if held >= num_splits:
             mid = scratch_view(mid_o_buf, B, Hq, num_splits, D)
         else:
@@ -351,7 +354,6 @@ def decode_attention(
             value_quant_bits,
             key_tails=False if key_fp8 else gluon.key_tails(centroids),
             qmu=qmu,
-            partials=value_rotation,
         )
     else:
         triton_stage1.stage1(
@@ -370,9 +372,14 @@ def decode_attention(
             norm_correction,
             geometry,
             qmu=qmu,
-            partials=value_rotation,
         )
-    return triton_stage1.merge(mid, out, num_splits, PiT if value_rotation else None)
+    if num_splits > 1:
+        return triton_stage1.merge(
+            mid, out, num_splits, PiT if value_rotation else None
+        )
+    if value_rotation:
+        return triton_stage1.rotate_output_back(out, PiT)
+    return out
 
 
 def maybe_decode_attention(

@@ -5,7 +5,8 @@
 The backend rotates MSE keys (and decode queries) by the Sylvester Hadamard
 matrix scaled by ``1/sqrt(D)`` (``turboquant_attn._build_hadamard``). A
 kernel that knows it is that matrix applies ``log2(D)`` add/subtract stages
-instead of reading a ``D x D`` matrix: ``_hadamard_rows``. Whether a given
+instead of reading a ``D x D`` matrix: ``_hadamard_rows`` (``_hadamard_tile``
+for several rows a program). Whether a given
 matrix is that one is ``is_backend_hadamard``'s question.
 """
 
@@ -26,6 +27,15 @@ def _hadamard_rows(x, D: tl.constexpr, LOG2_D: tl.constexpr):
     for _ in tl.static_range(LOG2_D):
         a, b = tl.split(tl.reshape(x, [D // 2, 2]))
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (1, 0)), [D])
+    return x
+
+
+@triton.jit
+def _hadamard_tile(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """``_hadamard_rows`` of each row of a [ROWS, D] tile, in the same stages."""
+    for _ in tl.static_range(LOG2_D):
+        a, b = tl.split(tl.reshape(x, [ROWS, D // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [ROWS, D])
     return x
 
 
