@@ -210,9 +210,9 @@ def test_one_split_writes_no_partial_results(
 ):
     """A decode that does not split skips the merge: stage 1 writes the
     output in the model dtype (fp16 here: Gluon on NumPy has no bf16), and
-    one pass rotates it back in place. The
-    split scratch stays untouched: fp32 partial results and a merge there
-    would cost a large batch what not splitting saves."""
+    one pass rotates it back in place. The split scratch stays untouched:
+    fp32 partial results and a merge there would cost a large batch what
+    not splitting saves."""
     cfg, cache, table, seq_t, query = _decode_case(
         "turboquant_4bit_nc", triton_interpret
     )
@@ -237,15 +237,18 @@ def test_one_split_writes_no_partial_results(
 @pytest.mark.parametrize("d", [64, 256])
 def test_rotate_output_back_in_place(d, dtype, triton_device):
     """Every (row, head) of a strided output times ``H``, in place; 6 query
-    heads leave the last program of each row half empty."""
+    heads of 8 held per row: the last program of each row is half empty,
+    and the heads past the view stay as they were."""
     g = torch.Generator().manual_seed(7)
-    held = torch.randn(5, 6, d, generator=g).to(dtype)
-    x = held[:3].to(triton_device)  # an output_buf's first rows
+    held = torch.randn(3, 8, d, generator=g).to(dtype)
+    buf = held.to(triton_device)
+    x = buf[:, :6]  # rows 8 x d apart
     pit = _build_hadamard(d, triton_device)
-    ref = held[:3].double() @ _build_hadamard(d, "cpu").double()
+    ref = held[:, :6].double() @ _build_hadamard(d, "cpu").double()
     assert rotate_output_back(x, pit) is x
     err = (x.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < (2**-7 if dtype == torch.bfloat16 else 1e-6), err
+    assert torch.equal(buf[:, 6:].cpu(), held[:, 6:])
 
 
 @pytest.mark.parametrize("preset, num_splits", [("turboquant_k3v4_nc", 1),
