@@ -81,6 +81,9 @@ PRESETS = {
     "4bit_nc": (4, 4, True),
     "k3v4_nc": (3, 4, True),
     "3bit_nc": (3, 3, True),
+    # Not a preset vLLM has: 3bit_nc's bytes spent as 4-bit keys and 2-bit
+    # values (issue 46: the 3-bit presets lose needles through their keys).
+    "k4v2_nc": (4, 2, True),
 }
 FP8_E4M3_MAX = 448.0
 
