@@ -81,10 +81,11 @@ PRESETS = {
     "4bit_nc": (4, 4, True),
     "k3v4_nc": (3, 4, True),
     "3bit_nc": (3, 3, True),
-    # Not a preset vLLM has: 3bit_nc's bytes spent as 4-bit keys and 2-bit
-    # values (issue 46: the 3-bit presets lose needles through their keys).
-    "k4v2_nc": (4, 2, True),
 }
+# What --presets takes: vLLM's presets, and configurations vLLM does not
+# have. k4v2_nc: 3bit_nc's bytes spent as 4-bit keys and 2-bit values
+# (issue 46: the 3-bit presets lose needles through their keys).
+CONFIGS = {**PRESETS, "k4v2_nc": (4, 2, True)}
 FP8_E4M3_MAX = 448.0
 
 
@@ -804,7 +805,7 @@ def main(argv=None) -> int:
         ("auto", [], 0, 0, True, "")
     ]
     for p in [x for x in args.presets.split(",") if x != "none"]:
-        kb, vb, nc = PRESETS[p]
+        kb, vb, nc = CONFIGS[p]
         for part in args.parts.split(","):
             k_on, v_on = "k" in part, "v" in part
             name = f"{p}:{part}"
