@@ -10,7 +10,8 @@ there are (two: the matrix alone on the first; one: all on it):
   it has, auto and turboquant_4bit_nc, eager and FULL CUDA graphs, plus
   k8v4 and 3bit_nc with MTP), each cell token-exact against the same engine
   without speculation or first different at a near-tie (shown as ``tie``);
-* ``kernels``: tests/kernels natively (every kernel against float64);
+* ``kernels``: tests/kernels natively (every kernel against float64),
+  ``KERNEL_JOBS`` test files at a time where pytest-xdist is installed;
 * ``tqm``: the TurboQuant x hybrid matrix (``turboquant_matrix``: every
   preset, with and without MTP or a draft, padded pages), against
   transformers' fp32 decode, the same preset without speculation (near-ties
@@ -66,6 +67,10 @@ PASSING = ("exact", "passed", "skipped", "ok")
 # another beside the other lanes they did not finish in 530 s on 2 x H100.
 SUITE_JOBS = 4
 SUITE_TIMEOUT = 260
+# tests/kernels compiles a kernel for nearly every case: one pytest process
+# took 511 s of a 560-s deadline on 2 x H200 (release 41). pytest-xdist
+# workers, a test file each at a time, where the runtime has it.
+KERNEL_JOBS = 4
 
 
 @dataclass
@@ -348,6 +353,14 @@ def gpu_count() -> int:
 LANES = ("spec", "kernels", "tqm", "suite", "serve")
 
 
+def kernel_workers() -> list[str]:
+    """pytest options that spread tests/kernels over xdist workers, one test
+    file to a worker (module fixtures stay whole); none without xdist."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(KERNEL_JOBS), "--dist", "loadfile"]
+
+
 def lanes_for(
     outdir: Path, gpus: int, jobs: int, deadline: float, tqm_only: str | None = None
 ) -> list[Lane]:
@@ -360,6 +373,7 @@ def lanes_for(
                       str(outdir / "spec"), "--gate", "--jobs", str(jobs),
                       "--deadline", spec_deadline, "--timeout", "300"], 0),
         Lane("kernels", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         *kernel_workers(),
                          f"--junitxml={outdir / 'kernels.xml'}", "tests/kernels"],
              other),
         Lane("tqm", [py, "-m", "tests.models.tiny_hybrids.turboquant_matrix",

@@ -106,6 +106,24 @@ def test_no_gpu_and_bad_arguments_exit_2(tmp_path, monkeypatch, capsys):
     assert bad.value.code == 2
 
 
+@pytest.mark.parametrize("xdist", [True, False])
+def test_the_kernels_lane_spreads_over_xdist_workers_where_installed(
+    tmp_path, monkeypatch, xdist
+):
+    real = gate.importlib.util.find_spec
+    monkeypatch.setattr(
+        gate.importlib.util,
+        "find_spec",
+        lambda name: (object() if xdist else None) if name == "xdist" else real(name),
+    )
+    (kernels,) = [
+        lane for lane in gate.lanes_for(tmp_path, 2, 8, 560) if lane.name == "kernels"
+    ]
+    spread = ["-n", str(gate.KERNEL_JOBS), "--dist", "loadfile"]
+    assert (kernels.cmd[6:10] == spread) is xdist
+    assert kernels.cmd[-1] == "tests/kernels" and kernels.gpu == 1
+
+
 def test_a_partial_run_never_passes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gate, "gpu_count", lambda: 1)
 
