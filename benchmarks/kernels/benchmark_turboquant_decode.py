@@ -1031,8 +1031,8 @@ def markdown(meta, rows, bw):
         out += [
             "",
             "The decode as the backend calls it (0027's key offset on 3-bit keys,"
-            " 0028's rotated values on MSE keys, the output rotated back in the"
-            " merge), against the plain decode above:",
+            " 0028's rotated values on MSE keys, the output rotated back by the"
+            " merge, or in place at one split), against the plain decode above:",
             "",
             *table_head("case", "batch x context", "KV", "new µs", "as served µs",
                         "ratio", "% of copy bandwidth"),
