@@ -552,6 +552,20 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
 # ------------------------------------------------------------------ evaluation
 
 
+def random_ids(lm, tok, count: int) -> tuple[list[int], str]:
+    """``count`` uniform random token ids (seed 0) after the tokenizer's own
+    prefix (Gemma's BOS, as ``tok(text)`` adds), special ids left out: a
+    calibration prompt that needs no text; and a line naming it."""
+    prefix = tok("").input_ids
+    vocab = min(len(tok), lm.get_input_embeddings().num_embeddings)
+    allowed = torch.tensor(sorted(set(range(vocab)) - set(tok.all_special_ids)))
+    g = torch.Generator().manual_seed(0)
+    pick = torch.randint(0, len(allowed), (count,), generator=g)
+    return prefix + allowed[pick].tolist(), (
+        f"uniform random ids (seed 0, {len(allowed)} non-special)"
+    )
+
+
 def corpus_windows(tokenizer, window: int, count: int) -> list[torch.Tensor]:
     text = "\n\n".join(
         Path("/usr/share/common-licenses", n).read_text(errors="replace")
@@ -833,15 +847,7 @@ def main(argv=None) -> int:
         # Post-RoPE keys as cached, of a text that is not the evaluated one,
         # attended raw; only the layers that capture (full attention) count.
         if args.calib_ids == "random":
-            # No text at all: uniform random ids after the tokenizer's own
-            # prefix (Gemma's BOS, as tok(text) adds), special ids left out.
-            prefix = tok("").input_ids
-            vocab = min(len(tok), lm.get_input_embeddings().num_embeddings)
-            allowed = torch.tensor(sorted(set(range(vocab)) - set(tok.all_special_ids)))
-            g = torch.Generator().manual_seed(0)
-            pick = torch.randint(0, len(allowed), (args.calib_tokens,), generator=g)
-            ids = prefix + allowed[pick].tolist()
-            source = f"uniform random ids (seed 0, {len(allowed)} non-special)"
+            ids, source = random_ids(lm, tok, args.calib_tokens)
         else:
             text = Path(args.calib_file).read_text(errors="replace")
             ids, source = tok(text).input_ids, args.calib_file

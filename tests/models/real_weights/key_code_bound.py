@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How far a trained model's MSE keys are from what a scalar code of their
+bits can do: the product's codebook against one fitted to the model's keys.
+
+TurboQuant codes each coordinate of a key's Hadamard-rotated unit vector with
+a Lloyd-Max codebook computed for coordinates of a random direction
+(``fp16_centroids``). Real keys are not random directions: if their rotated
+coordinates were heavy-tailed or of unequal spread, a codebook fitted to them
+(Lloyd's algorithm, one per layer) or a per-coordinate scale (one per KV head
+and coordinate, the query multiplied by it) would code them with less error
+at the same bits, and the engine could fit either at start-up, where patch
+0027 already calibrates its key offsets on random ids.
+
+For each full-attention layer of a converted real checkpoint, keys minus
+their calibrated per-head mean (0027's offset) are coded four ways, with norm
+correction as the ``_nc`` presets: the product's codebook (``product``), a
+codebook fitted to the calibration keys (``fitted``), the product's codebook
+after a per-coordinate scale fitted to them (``scaled``), and both
+(``both``). Fits read a calibration prompt of random ids; errors are measured
+on a window of the quality corpus that the fits did not see (its first key,
+the attention sink 0027 treats apart, left out). Printed per layer: the
+relative key error ``|k_hat - k|^2 / |k - mu|^2``, the std of the logit
+error ``scale * q . (k_hat - k)`` over real queries, the rotated coordinates'
+RMS spread (max / min over coordinates, 1 for equal spread) and their
+kurtosis (3 for a Gaussian).
+
+Cost (2 CPU cores): SmolLM2-135M ~30 s, Gemma-3-270M ~20 s.
+
+    CUDA_VISIBLE_DEVICES= .venv/bin/python \\
+        -m tests.models.real_weights.key_code_bound --model smollm2_135m --bits 3
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.models.real_weights import emulate_kv_quant as emu
+
+CODES = ("product", "fitted", "scaled", "both")
+
+
+def lloyd_max(samples: torch.Tensor, start: torch.Tensor, iters: int = 30):
+    """A scalar codebook fitted to ``samples`` by Lloyd's algorithm from
+    ``start`` (sorted centroids); a level no sample falls in keeps its
+    value."""
+    c = start.double().clone()
+    x = samples.double().flatten()
+    for _ in range(iters):
+        idx = torch.bucketize(x, (c[:-1] + c[1:]) / 2)
+        sums = torch.zeros_like(c).index_add_(0, idx, x)
+        counts = torch.bincount(idx, minlength=len(c)).double()
+        c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+    return c.sort().values
+
+
+def code_unit(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Rotated unit vectors ``u`` [..., D] coded coordinate-wise with
+    ``codebook`` and renormalized (norm correction)."""
+    y = codebook[torch.bucketize(u, (codebook[:-1] + codebook[1:]) / 2)]
+    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
+
+
+def coded_keys(k, mu, h, codebook, coord_scale=None) -> torch.Tensor:
+    """Keys [Hk, T, D] minus ``mu``, rotated by ``h``, coded, and back; with
+    ``coord_scale`` ([Hk, 1, D]) the rotated coordinates are divided by it
+    before the code and multiplied after (a query times it scores the same)."""
+    x = k.double() - mu
+    norm = x.norm(dim=-1, keepdim=True)
+    u = (x / norm) @ h
+    if coord_scale is None:
+        y = code_unit(u, codebook)
+    else:
+        z = u / coord_scale
+        zn = z.norm(dim=-1, keepdim=True)
+        y = code_unit(z / zn, codebook) * coord_scale
+        y = y / y.norm(dim=-1, keepdim=True)
+    return (y @ h.T) * norm + mu
+
+
+def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
+    """The four codes' (codebook, coordinate scale) fitted to ``k_calib``."""
+    x = k_calib.double() - mu
+    u = (x / x.norm(dim=-1, keepdim=True)) @ h
+    d = u.shape[-1]
+    scale = u.pow(2).mean(-2, keepdim=True).sqrt() * math.sqrt(d)
+    return {
+        "product": (start, None),
+        "fitted": (lloyd_max(u, start), None),
+        "scaled": (start, scale),
+        "both": (lloyd_max(u / scale, start), scale),
+    }
+
+
+def layer_errors(q, k, scaling, mu, codes, h) -> dict:
+    """Per code: relative key error and logit-error std on ``k`` [Hk, T, D]
+    with queries ``q`` [Hq, T, D]; plus the coordinates' spread and kurtosis."""
+    kd = k.double()
+    rep = q.shape[0] // k.shape[0]
+    qs = q.double()[:, ::16]
+    out = {}
+    for name, (codebook, scale) in codes.items():
+        err = coded_keys(k, mu, h, codebook, scale) - kd
+        rel = err.pow(2).sum(-1) / (kd - mu).pow(2).sum(-1)
+        logit = torch.einsum("hsd,htd->hst", qs, err.repeat_interleave(rep, 0))
+        out[name] = {
+            "rel_err": rel.mean().item(),
+            "logit_err_std": (logit * scaling).std().item(),
+        }
+    x = kd - mu
+    u = (x / x.norm(dim=-1, keepdim=True)) @ h * math.sqrt(k.shape[-1])
+    rms = u.pow(2).mean(-2).sqrt()
+    out["coord_rms_max_over_min"] = (rms.amax(-1) / rms.amin(-1)).max().item()
+    out["kurtosis"] = (u.pow(4).mean() / u.pow(2).mean().pow(2)).item()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--bits", type=int, choices=[2, 3, 4], default=3)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=2000)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import transformers
+    from transformers.masking_utils import sdpa_mask
+
+    from tests.models.real_weights import checkpoints
+
+    torch.set_grad_enabled(False)
+    path = Path(args.model)
+    if not path.exists():
+        path = checkpoints.build(args.model, offline=True)
+    lm, tok = checkpoints.load(path)
+    transformers.AttentionInterface.register("tq_emul", emu.tq_attention)
+    transformers.AttentionMaskInterface.register("tq_emul", sdpa_mask)
+    lm.set_attn_implementation("tq_emul")
+
+    ids, source = emu.random_ids(lm, tok, args.calib_tokens)
+    emu.EMU.layers, emu.EMU.capture = set(), {}
+    lm.model(input_ids=torch.tensor([ids]))
+    calib = emu.EMU.capture
+    emu.EMU.capture = {}
+    lm.model(input_ids=emu.corpus_windows(tok, args.window, 1)[0])
+    evaluated = emu.EMU.capture
+    emu.EMU.capture = None
+
+    d = next(iter(calib.values()))[1].shape[-1]
+    h = emu.hadamard(d)
+    start, _ = emu._centroids(d, args.bits)
+    print(f"model {path.name}, {args.bits}-bit keys, head_dim {d}; fitted on "
+          f"{len(ids)} {source}; measured on {args.window} corpus tokens")  # fmt: skip
+    print("layer  rel. key error (" + " ".join(CODES) + ")   logit error std "
+          "(same)   coord RMS max/min  kurtosis")  # fmt: skip
+    layers = {}
+    for li in sorted(calib):
+        k_calib = calib[li][1]
+        q, k, _, scaling = evaluated[li]
+        mu = k_calib.double().mean(-2, keepdim=True)
+        codes = fit_codes(k_calib[:, 1:], mu, h, start)
+        res = layer_errors(q, k[:, 1:], scaling, mu, codes, h)
+        layers[li] = res
+        rel = " ".join(f"{res[c]['rel_err']:.4f}" for c in CODES)
+        logit = " ".join(f"{res[c]['logit_err_std']:.3f}" for c in CODES)
+        spread = f"{res['coord_rms_max_over_min']:.2f}  {res['kurtosis']:.2f}"
+        print(f"{li:5d}  {rel}   {logit}   {spread}")
+    mean = {
+        c: {
+            m: sum(r[c][m] for r in layers.values()) / len(layers)
+            for m in ("rel_err", "logit_err_std")
+        }
+        for c in CODES
+    }
+    for c in CODES:
+        print(f"mean {c:8s} rel. key error {mean[c]['rel_err']:.4f}, logit error "
+              f"std {mean[c]['logit_err_std']:.4f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"model": path.name, "bits": args.bits, "layers": layers, "mean": mean},
+                indent=1,
+            )  # fmt: skip
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
