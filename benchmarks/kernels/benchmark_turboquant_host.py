@@ -80,6 +80,30 @@ def host_and_gpu_us(fn, calls: int = CALLS) -> tuple[float, float]:
     )
 
 
+def paired_host_us(fa, fb, rounds: int = 12, calls: int = CALLS) -> dict:
+    """Host µs per call of ``fa`` and ``fb`` timed in one process, their
+    rounds alternating in order (AB, BA, AB, ...): each one's median and
+    minimum over its rounds, and the median of the paired differences
+    ``b - a``. On one H200 host the same call read up to half more in one
+    process than in the next, so two versions' host times are compared only
+    this way."""
+    fa()
+    fb()
+    torch.cuda.synchronize()
+    a, b = [], []
+    for r in range(rounds):
+        order = ((fa, a), (fb, b)) if r % 2 == 0 else ((fb, b), (fa, a))
+        for fn, times in order:
+            times.append(_round(fn, calls)[0])
+    return dict(
+        a=statistics.median(a),
+        a_min=min(a),
+        b=statistics.median(b),
+        b_min=min(b),
+        b_minus_a=statistics.median(y - x for x, y in zip(a, b)),
+    )
+
+
 def _round(fn, calls: int) -> tuple[float, float]:
     sleep_us = _sleep_us()
     start, end = (
@@ -204,6 +228,26 @@ def _tq_builder(group_tokens: int, device):
     )
 
 
+def halves_saving(impl, layer, q, k, v, cache, meta, out) -> dict:
+    """A mixed step's forward with the builder's decode and prefill halves
+    (patch 0029) against the same metadata without them, which every layer
+    then cuts for itself; and the cut alone (host µs)."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.turboquant_mixed_batch import mixed_batch_parts
+
+    bare = dataclasses.replace(meta, mixed_parts=None)
+    ab = paired_host_us(
+        lambda: impl.forward(layer, q, k, v, cache, meta, output=out),
+        lambda: impl.forward(layer, q, k, v, cache, bare, output=out),
+    )
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        mixed_batch_parts(meta)
+    ab["cut"] = (time.perf_counter() - t0) / 2000 * 1e6
+    return ab
+
+
 def measure_turboquant(preset, step, device, profile_out=None) -> dict:
     cam, num_pages = _step_metadata(**STEPS[step], device=device)
     impl, layer, cache = _tq_layer(preset, num_pages, device)
@@ -228,6 +272,8 @@ def measure_turboquant(preset, step, device, profile_out=None) -> dict:
         update=host_and_gpu_us(update),
         forward=host_and_gpu_us(forward),
     )
+    if meta.mixed_parts is not None:
+        row["halves"] = halves_saving(impl, layer, q, k, v, cache, meta, out)
     if profile_out is not None:
         prof = cProfile.Profile()
         prof.enable()
@@ -354,6 +400,25 @@ def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> 
             f"| {r['kv']} | {r['step']} | {build} | {uh:,.0f} / {ug:,.0f} "
             f"| {fh:,.0f} / {fg:,.0f} | {uh + fh - ug - fg:+,.0f} |"
         )
+    halves = [r for r in rows if "halves" in r]
+    if halves:
+        out += [
+            "",
+            "Mixed step, one process, rounds interleaved: the forward with the "
+            "builder's decode and prefill halves (patch 0029) against the same "
+            "metadata cut in every layer, median (minimum) µs of host time; the "
+            "saving is the median of paired rounds; the cut alone once:",
+            "",
+            "| KV | cut in every layer | halves from the builder | saving | cut |",
+            "|---|---|---|---|---|",
+        ]
+        for r in halves:
+            h = r["halves"]
+            out.append(
+                f"| {r['kv']} | {h['b']:,.0f} ({h['b_min']:,.0f}) "
+                f"| {h['a']:,.0f} ({h['a_min']:,.0f}) | {h['b_minus_a']:,.0f} "
+                f"| {h['cut']:.1f} |"
+            )
     if launch:
         parts = list(next(iter(launch.values())))
         out += [

@@ -105,3 +105,39 @@ def test_the_first_token_step_is_the_e2e_scenarios_prefill_alone(bench):
     md = bench.markdown("H100", [])
     assert "first-token = 32 first chunks x 64" in md
     assert "decode = 512 decode rows x 576;" in md
+
+
+def test_an_ab_of_host_time_interleaves_its_rounds(bench, monkeypatch):
+    """Two versions' host times come from one process, rounds alternating
+    in order, so a drift of the host between rounds reaches both."""
+    calls = []
+    times = iter([10.0, 20.0, 21.0, 11.0, 12.0, 22.0, 23.0, 13.0])
+
+    def fake_round(fn, n):
+        fn()
+        return next(times), 0.0
+
+    monkeypatch.setattr(bench, "_round", fake_round)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    got = bench.paired_host_us(
+        lambda: calls.append("a"), lambda: calls.append("b"), rounds=4
+    )
+    # One warm-up call each, then AB, BA, AB, BA.
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert got == dict(a=11.5, a_min=10.0, b=21.5, b_min=20.0, b_minus_a=10.0)
+
+
+def test_the_table_shows_what_the_builders_halves_save(bench):
+    halves = dict(a=256.0, a_min=212.0, b=285.0, b_min=243.0, b_minus_a=53.3)
+    rows = [
+        dict(
+            kv="turboquant_k8v4",
+            step="mixed",
+            build=(86.0, 1.7),
+            update=(59.0, 63.0),
+            forward=(251.0, 267.0),
+            halves=dict(halves, cut=38.1),
+        )
+    ]
+    md = bench.markdown("H200", rows)
+    assert "| turboquant_k8v4 | 285 (243) | 256 (212) | 53 | 38.1 |" in md
