@@ -552,6 +552,28 @@ def check_kernels(captured: dict, tokens: int, queries: int) -> dict:
 # ------------------------------------------------------------------ evaluation
 
 
+def load_emulated(model: str, bf16: bool = False):
+    """A converted real checkpoint (a path, or a name ``checkpoints`` builds
+    offline) in fp32 (``bf16``: bf16), its attention routed through
+    ``tq_attention``: (path, model, tokenizer)."""
+    import transformers
+    from transformers.masking_utils import sdpa_mask
+
+    from tests.models.real_weights import checkpoints
+
+    torch.set_grad_enabled(False)
+    path = Path(model)
+    if not path.exists():
+        path = checkpoints.build(model, offline=True)
+    lm, tok = checkpoints.load(path)
+    if bf16:
+        lm = lm.to(torch.bfloat16)
+    transformers.AttentionInterface.register("tq_emul", tq_attention)
+    transformers.AttentionMaskInterface.register("tq_emul", sdpa_mask)
+    lm.set_attn_implementation("tq_emul")
+    return path, lm, tok
+
+
 def random_ids(lm, tok, count: int) -> tuple[list[int], str]:
     """``count`` uniform random token ids (seed 0) after the tokenizer's own
     prefix (Gemma's BOS, as ``tok(text)`` adds), special ids left out: a
@@ -786,22 +808,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
-    import transformers
-
-    from tests.models.real_weights import checkpoints
-
-    torch.set_grad_enabled(False)
-    path = Path(args.model)
-    if not path.exists():
-        path = checkpoints.build(args.model, offline=True)
-    lm, tok = checkpoints.load(path)
-    if args.bf16:
-        lm = lm.to(torch.bfloat16)
-    from transformers.masking_utils import sdpa_mask
-
-    transformers.AttentionInterface.register("tq_emul", tq_attention)
-    transformers.AttentionMaskInterface.register("tq_emul", sdpa_mask)
-    lm.set_attn_implementation("tq_emul")
+    path, lm, tok = load_emulated(args.model, args.bf16)
     cfg = lm.config
     if args.layers == "default":
         layers = default_layers(cfg, 2)

@@ -128,19 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    import transformers
-    from transformers.masking_utils import sdpa_mask
-
-    from tests.models.real_weights import checkpoints
-
-    torch.set_grad_enabled(False)
-    path = Path(args.model)
-    if not path.exists():
-        path = checkpoints.build(args.model, offline=True)
-    lm, tok = checkpoints.load(path)
-    transformers.AttentionInterface.register("tq_emul", emu.tq_attention)
-    transformers.AttentionMaskInterface.register("tq_emul", sdpa_mask)
-    lm.set_attn_implementation("tq_emul")
+    path, lm, tok = emu.load_emulated(args.model)
 
     ids, source = emu.random_ids(lm, tok, args.calib_tokens)
     emu.EMU.layers, emu.EMU.capture = set(), {}
