@@ -670,11 +670,11 @@ def needle_prompt(lm, tokenizer, case):
 
 
 @torch.inference_mode()
-def needle_digits(lm, case, cache, answer) -> int:
+def needle_digits(lm, case, cache, answer) -> tuple[int, float]:
     """Answer tokens predicted right with the answer teacher-forced after the
-    cached prompt (all right is the greedy hit the harness counts). The prompt
-    attended raw; the answer's rows read its keys and values quantized: the
-    retrieval step alone."""
+    cached prompt (all right is the greedy hit the harness counts), and the
+    answer's NLL in nats. The prompt attended raw; the answer's rows read its
+    keys and values quantized: the retrieval step alone."""
     n = len(case.prompt)
     ids = torch.tensor([case.prompt[-1:] + answer[:-1]])
     cache.crop(n - 1)
@@ -687,7 +687,7 @@ def needle_digits(lm, case, cache, answer) -> int:
 
 
 @torch.inference_mode()
-def needle_digits_chunked(lm, case, answer) -> int:
+def needle_digits_chunked(lm, case, answer) -> tuple[int, float]:
     """``needle_digits`` with the whole prompt prefilled in chunks as the
     harness runs it: every row reads earlier chunks' keys and values
     quantized. The prompt fills whole chunks when its length is a multiple
@@ -697,10 +697,23 @@ def needle_digits_chunked(lm, case, answer) -> int:
     return _tokens_right(lm, out, answer)
 
 
-def _tokens_right(lm, hidden: torch.Tensor, answer: list[int]) -> int:
-    """How many of the rows' greedy tokens are the answer's."""
+def _tokens_right(lm, hidden: torch.Tensor, answer: list[int]) -> tuple[int, float]:
+    """How many of the rows' greedy tokens are the answer's, and the
+    answer's NLL under them (nats; it moves by degrees where a hit flips)."""
     logits = lm.get_output_embeddings()(hidden).float()
-    return int((logits.argmax(-1) == torch.tensor(answer)).sum().item())
+    target = torch.tensor(answer)
+    nll = -logits.log_softmax(-1).gather(-1, target[:, None]).sum()
+    return int((logits.argmax(-1) == target).sum().item()), nll.item()
+
+
+def paired_gap(values: list[float], base: list[float]) -> tuple[float, float]:
+    """Mean of ``values - base`` over paired cases and its standard error."""
+    d = [a - b for a, b in zip(values, base)]
+    mean = sum(d) / len(d)
+    if len(d) < 2:
+        return mean, float("nan")
+    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1)
+    return mean, math.sqrt(var / len(d))
 
 
 def default_layers(config, boundary: int) -> list[int]:
@@ -920,20 +933,25 @@ def main(argv=None) -> int:
                     if args.needle_chunked
                     else needle_digits(lm, c, cache, answer)
                 )
-                right[name].append((got, len(answer)))
+                right[name].append((*got, len(answer)))
         print(f"{len(cases)} needle cases, {time.time() - t0:.0f}s", flush=True)
         for name, scores in right.items():
-            hits = [r == n for r, n in scores]
-            digits = sum(r for r, _ in scores) / sum(n for _, n in scores)
+            hits = [r == n for r, _, n in scores]
+            digits = sum(r for r, _, _ in scores) / sum(n for _, _, n in scores)
             missed = [case_label(c) for c, h in zip(cases, hits) if not h]
+            nll = [x for _, x, _ in scores]
+            gap = paired_gap(nll, [x for _, x, _ in right["auto"]])
             results[name] = {
                 "recall": sum(hits) / len(hits),
                 "answer_tokens_right": digits,
+                "answer_nll": nll,
+                "answer_nll_vs_auto": gap,
                 "missed": missed,
             }
             print(
                 f"{name:24s} recall {100 * sum(hits) / len(hits):5.1f}%  answer "
-                f"tokens right {100 * digits:5.1f}%  missed {' '.join(missed)}",
+                f"tokens right {100 * digits:5.1f}%  answer nats vs auto "
+                f"{gap[0]:+.3f} +- {gap[1]:.3f}  missed {' '.join(missed)}",
                 flush=True,
             )
         configs = []

@@ -197,3 +197,23 @@ def test_calibrot_follows_the_offset_around_with_the_keys_positions():
         e.fix = fix
         errors[fix] = (e.quant_k(k, 7) - k.double())[..., 48:, :].norm()
     assert errors["calibrot"] < errors["calibrotb"] < errors["calibmin"], errors
+
+
+def test_needle_rows_score_the_answers_nll_beside_its_hits():
+    """The retrieval step's answer NLL (nats), teacher-forced: the measure
+    that moves by degrees where a needle hit flips at the boundary."""
+    head = torch.nn.Linear(3, 3, bias=False)
+    head.weight.data = torch.eye(3)
+    lm = SimpleNamespace(get_output_embeddings=lambda: head)
+    hidden = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    right, nll = emu._tokens_right(lm, hidden, [0, 1])
+    logp = hidden.log_softmax(-1)
+    assert right == 1  # row 1 predicts token 2, not 1
+    assert nll == pytest.approx(-(logp[0, 0] + logp[1, 1]).item())
+
+
+def test_a_paired_gap_is_the_mean_difference_and_its_standard_error():
+    mean, se = emu.paired_gap([1.0, 2.0, 4.0], [0.5, 1.0, 2.0])
+    d = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    assert mean == pytest.approx(d.mean().item())
+    assert se == pytest.approx((d.std() / 3**0.5).item())
