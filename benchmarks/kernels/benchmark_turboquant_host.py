@@ -23,6 +23,12 @@ and one step of first chunks alone:
   cache update and the forward; auto: ``reshape_and_cache_flash`` and one
   ``flash_attn_varlen_func`` over the paged cache, as its backend calls them.
 
+On a step with decode rows beside first chunks it also times the forward
+against the same metadata without the builder's decode and prefill halves
+(patch 0029), which every layer then cuts for itself: both in this process,
+rounds interleaved (``paired_host_us``), because host time read in separate
+processes differs by up to half on one machine.
+
 ``--cprofile`` prints where the TurboQuant forward's host time goes.
 
     python benchmarks/kernels/benchmark_turboquant_host.py
