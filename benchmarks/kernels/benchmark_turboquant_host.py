@@ -36,6 +36,7 @@ processes differs by up to half on one machine.
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -238,8 +239,6 @@ def halves_saving(impl, layer, q, k, v, cache, meta, out) -> dict:
     """A mixed step's forward with the builder's decode and prefill halves
     (patch 0029) against the same metadata without them, which every layer
     then cuts for itself; and the cut alone (host µs)."""
-    import dataclasses
-
     from vllm.v1.attention.backends.turboquant_mixed_batch import mixed_batch_parts
 
     bare = dataclasses.replace(meta, mixed_parts=None)

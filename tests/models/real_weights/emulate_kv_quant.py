@@ -706,16 +706,6 @@ def _tokens_right(lm, hidden: torch.Tensor, answer: list[int]) -> tuple[int, flo
     return int((logits.argmax(-1) == target).sum().item()), nll.item()
 
 
-def paired_gap(values: list[float], base: list[float]) -> tuple[float, float]:
-    """Mean of ``values - base`` over paired cases and its standard error."""
-    d = [a - b for a, b in zip(values, base)]
-    mean = sum(d) / len(d)
-    if len(d) < 2:
-        return mean, float("nan")
-    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1)
-    return mean, math.sqrt(var / len(d))
-
-
 def default_layers(config, boundary: int) -> list[int]:
     types = getattr(config, "layer_types", None) or ["full_attention"] * (
         config.num_hidden_layers
@@ -918,6 +908,9 @@ def main(argv=None) -> int:
             if len(cases) != len(only):
                 known = {case_label(c) for c in cases}
                 ap.error(f"--needle-cases: no such case {sorted(only - known)}")
+        from tests.benchmarks import import_benchmark
+
+        measures = import_benchmark("benchmarks.quality.kvq_measures")
         right = {name: [] for name, *_ in configs}
         t0 = time.time()
         for c in cases:
@@ -940,7 +933,7 @@ def main(argv=None) -> int:
             digits = sum(r for r, _, _ in scores) / sum(n for _, _, n in scores)
             missed = [case_label(c) for c, h in zip(cases, hits) if not h]
             nll = [x for _, x, _ in scores]
-            gap = paired_gap(nll, [x for _, x, _ in right["auto"]])
+            gap = measures.paired_difference([x for _, x, _ in right["auto"]], nll)
             results[name] = {
                 "recall": sum(hits) / len(hits),
                 "answer_tokens_right": digits,
@@ -951,7 +944,7 @@ def main(argv=None) -> int:
             print(
                 f"{name:24s} recall {100 * sum(hits) / len(hits):5.1f}%  answer "
                 f"tokens right {100 * digits:5.1f}%  answer nats vs auto "
-                f"{gap[0]:+.3f} +- {gap[1]:.3f}  missed {' '.join(missed)}",
+                f"{gap['mean']:+.3f} +- {gap['se']:.3f}  missed {' '.join(missed)}",
                 flush=True,
             )
         configs = []

@@ -210,10 +210,3 @@ def test_needle_rows_score_the_answers_nll_beside_its_hits():
     logp = hidden.log_softmax(-1)
     assert right == 1  # row 1 predicts token 2, not 1
     assert nll == pytest.approx(-(logp[0, 0] + logp[1, 1]).item())
-
-
-def test_a_paired_gap_is_the_mean_difference_and_its_standard_error():
-    mean, se = emu.paired_gap([1.0, 2.0, 4.0], [0.5, 1.0, 2.0])
-    d = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
-    assert mean == pytest.approx(d.mean().item())
-    assert se == pytest.approx((d.std() / 3**0.5).item())
