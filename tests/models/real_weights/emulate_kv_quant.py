@@ -55,6 +55,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -176,8 +177,30 @@ class Emu:
         # as decode steps do (each stores its token before it attends).
         self.answer_decoded = False
         self.recent_raw = 0  # with answer_decoded: the nearest tokens read raw
+        # layer -> (key bits, value bits, fix): layers stored with another
+        # preset than the configuration's (issue 46: which layers' keys a
+        # 3.5-bit budget can afford at 4 bits).
+        self.upgraded: dict[int, tuple[int, int, str]] = {}
+
+    @contextlib.contextmanager
+    def _layer_preset(self, layer: int):
+        """The configuration's preset, or ``layer``'s in ``upgraded``."""
+        own = self.upgraded.get(layer)
+        if own is None:
+            yield
+            return
+        saved = self.kbits, self.vbits, self.fix
+        self.kbits, self.vbits, self.fix = own
+        try:
+            yield
+        finally:
+            self.kbits, self.vbits, self.fix = saved
 
     def quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+        with self._layer_preset(layer):
+            return self._quant_k(k, layer)
+
+    def _quant_k(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         if self.kbits == 0:
             return k.double()
         if self.kbits == 8:
@@ -273,6 +296,10 @@ class Emu:
         return torch.where(keep, plain, shifted)
 
     def quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
+        with self._layer_preset(layer):
+            return self._quant_v(v, layer)
+
+    def _quant_v(self, v: torch.Tensor, layer: int) -> torch.Tensor:
         if self.vbits and self.fix.endswith("+vr"):
             h = hadamard(v.shape[-1])
             return quant_values(v.double() @ h, self.vbits) @ h.T
@@ -718,6 +745,50 @@ def default_layers(config, boundary: int) -> list[int]:
     ]
 
 
+def configurations(
+    presets: list[str],
+    parts: list[str],
+    layers: list[int],
+    fixes: list[str],
+    per_layer: bool = False,
+    upgraded: tuple[int, ...] = (),
+    upgrade_each: bool = False,
+    fixes_only: bool = False,
+) -> list[tuple[str, list[int], int, int, bool, str, tuple[int, ...]]]:
+    """What a run measures, in order: (name, quantized layers, key bits,
+    value bits, norm correction, fix, upgraded layers). ``auto`` first; per
+    preset and part the plain configuration and its fixes, each followed by
+    its layers alone (``per_layer``, the plain one) and by itself with each
+    layer upgraded in turn (``upgrade_each``); ``fixes_only`` leaves the plain
+    configurations out where a preset has fixes."""
+    configs = [("auto", [], 0, 0, True, "", ())]
+    for p in presets:
+        kb, vb, nc = CONFIGS[p]
+        for part in parts:
+            name = f"{p}:{part}"
+            kbits, vbits = kb if "k" in part else 0, vb if "v" in part else 0
+            variants = [(name, kbits, vbits, "")]
+            if kb != 8 and kbits:
+                variants += [(f"{name}+{fix}", kb, vbits, fix) for fix in fixes]
+                if fixes_only and fixes:
+                    variants = variants[1:]
+            for vname, vk, vv, fix in variants:
+                if upgraded:
+                    vname += "^" + "+".join(map(str, upgraded))
+                configs.append((vname, layers, vk, vv, nc, fix, upgraded))
+                if not fix and per_layer and len(layers) > 1:
+                    configs += [
+                        (f"{name}@L{li}", [li], vk, vv, nc, "", ()) for li in layers
+                    ]
+                if upgrade_each:
+                    configs += [
+                        (f"{vname}^{li}", layers, vk, vv, nc, fix, (*upgraded, li))
+                        for li in layers
+                        if li not in upgraded
+                    ]
+    return configs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3_270m")
@@ -800,6 +871,30 @@ def main(argv=None) -> int:
         help="with --needle-decoded: each answer row reads the W tokens nearest "
         "it (itself included) raw, as a recent window kept at the model dtype",
     )
+    ap.add_argument(
+        "--upgrade",
+        default="",
+        metavar="LAYERS",
+        help="comma list of quantized layers stored as --upgrade-preset in every "
+        "quantized configuration",
+    )
+    ap.add_argument(
+        "--upgrade-each",
+        action="store_true",
+        help="also each configuration with one more layer upgraded, layer by layer",
+    )
+    ap.add_argument(
+        "--fixes-only",
+        action="store_true",
+        help="leave out the plain preset where --fixes gives its fixes",
+    )
+    ap.add_argument(
+        "--upgrade-preset",
+        default="4bit_nc",
+        choices=sorted(CONFIGS),
+        help="what upgraded layers store: the preset as vLLM serves it (an MSE "
+        "preset with rotated values, patch 0028)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -825,31 +920,23 @@ def main(argv=None) -> int:
     EMU.recent_raw = args.recent_raw
     print(f"model {path.name}: quantized layers {layers}, {len(windows)} windows")
 
-    configs: list[tuple[str, list[int], int, int, bool, str]] = [
-        ("auto", [], 0, 0, True, "")
-    ]
-    for p in [x for x in args.presets.split(",") if x != "none"]:
-        kb, vb, nc = CONFIGS[p]
-        for part in args.parts.split(","):
-            k_on, v_on = "k" in part, "v" in part
-            name = f"{p}:{part}"
-            configs.append((name, layers, kb if k_on else 0, vb if v_on else 0, nc, ""))
-            if args.per_layer and len(layers) > 1:
-                for li in layers:
-                    configs.append(
-                        (
-                            f"{name}@L{li}",
-                            [li],
-                            kb if k_on else 0,
-                            vb if v_on else 0,
-                            nc,
-                            "",
-                        )
-                    )
-            if kb != 8 and k_on:
-                for fix in filter(None, args.fixes.split(",")):
-                    vbits = vb if v_on else 0
-                    configs.append((f"{name}+{fix}", layers, kb, vbits, nc, fix))
+    upgraded = [int(x) for x in args.upgrade.split(",") if x]
+    if not set(upgraded) <= set(layers):
+        ap.error(f"--upgrade: {sorted(set(upgraded) - set(layers))} not quantized")
+    ukb, uvb, _ = CONFIGS[args.upgrade_preset]
+    # The upgraded layers' own preset, as vLLM serves it: rotated values on
+    # MSE keys (0028), no key offset (0027 is for 3-bit keys).
+    up_preset = (ukb, uvb, "+vr" if ukb != 8 else "")
+    configs = configurations(
+        [x for x in args.presets.split(",") if x != "none"],
+        args.parts.split(","),
+        layers,
+        list(filter(None, args.fixes.split(","))),
+        per_layer=args.per_layer,
+        upgraded=tuple(upgraded),
+        upgrade_each=args.upgrade_each,
+        fixes_only=args.fixes_only,
+    )
 
     results = {}
     base_greedy = []
@@ -918,9 +1005,10 @@ def main(argv=None) -> int:
                 answer = needle_answer(tok, c)
             else:
                 cache, answer = needle_prompt(lm, tok, c)
-            for name, lys, kb, vb, nc, fix in configs:
+            for name, lys, kb, vb, nc, fix, up in configs:
                 EMU.layers, EMU.kbits, EMU.vbits = set(lys), kb, vb
                 EMU.nc, EMU.fix = nc, fix
+                EMU.upgraded = dict.fromkeys(up, up_preset)
                 got = (
                     needle_digits_chunked(lm, c, answer)
                     if args.needle_chunked
@@ -948,9 +1036,10 @@ def main(argv=None) -> int:
                 flush=True,
             )
         configs = []
-    for name, lys, kb, vb, nc, fix in configs:
+    for name, lys, kb, vb, nc, fix, up in configs:
         t0 = time.time()
         EMU.layers, EMU.kbits, EMU.vbits, EMU.nc, EMU.fix = set(lys), kb, vb, nc, fix
+        EMU.upgraded = dict.fromkeys(up, up_preset)
         nll, n, agree, per = 0.0, 0, 0, []
         for w, ids in enumerate(windows):
             s, c, g = window_nll(lm, ids)

@@ -210,3 +210,64 @@ def test_needle_rows_score_the_answers_nll_beside_its_hits():
     logp = hidden.log_softmax(-1)
     assert right == 1  # row 1 predicts token 2, not 1
     assert nll == pytest.approx(-(logp[0, 0] + logp[1, 1]).item())
+
+
+def test_an_upgraded_layer_stores_its_own_preset():
+    """``--upgrade``: the listed layers store the upgrade preset as vLLM
+    serves it (4bit_nc: 4-bit keys without 0027's offset, rotated values),
+    every other layer the configuration's, and the configuration is intact
+    after an upgraded layer's call."""
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(2, 9, 64, generator=g)
+    v = torch.randn(2, 9, 64, generator=g)
+    mu = torch.randn(2, 1, 64, generator=g).double()
+    h = emu.hadamard(64)
+    e = emu.Emu()
+    e.kbits, e.vbits, e.nc, e.fix = 3, 3, True, "calibmin+vr"
+    e.calib = {3: mu, 5: mu}
+    own_k, own_v = e.quant_k(k, 3), e.quant_v(v, 3)
+    e.upgraded = {5: (4, 4, "+vr")}
+    torch.testing.assert_close(e.quant_k(k, 5), emu.quant_keys_mse(k, 4, True))
+    torch.testing.assert_close(
+        e.quant_v(v, 5), emu.quant_values(v.double() @ h, 4) @ h.T
+    )
+    assert (e.kbits, e.vbits, e.fix) == (3, 3, "calibmin+vr")
+    assert torch.equal(e.quant_k(k, 3), own_k)
+    assert torch.equal(e.quant_v(v, 3), own_v)
+    assert not torch.equal(e.quant_k(k, 5), e.quant_k(k, 3))
+
+
+def test_upgrade_each_adds_one_configuration_per_layer():
+    """``--upgrade-each`` follows each configuration with that configuration
+    and one more of its layers upgraded, layer by layer; ``--upgrade`` is
+    carried into every quantized configuration and named in it."""
+    got = emu.configurations(
+        ["3bit_nc"],
+        ["kv"],
+        [2, 3, 4],
+        ["calibmin+vr"],
+        upgraded=(3,),
+        upgrade_each=True,
+    )
+    assert [(c[0], c[5], c[6]) for c in got] == [
+        ("auto", "", ()),
+        ("3bit_nc:kv^3", "", (3,)),
+        ("3bit_nc:kv^3^2", "", (3, 2)),
+        ("3bit_nc:kv^3^4", "", (3, 4)),
+        ("3bit_nc:kv+calibmin+vr^3", "calibmin+vr", (3,)),
+        ("3bit_nc:kv+calibmin+vr^3^2", "calibmin+vr", (3, 2)),
+        ("3bit_nc:kv+calibmin+vr^3^4", "calibmin+vr", (3, 4)),
+    ]
+    assert all(c[1] == [2, 3, 4] for c in got[1:])
+    plain = emu.configurations(["k8v4"], ["kv", "v"], [2, 3], ["mean"], per_layer=True)
+    assert [c[0] for c in plain] == [
+        "auto",
+        "k8v4:kv",
+        "k8v4:kv@L2",
+        "k8v4:kv@L3",
+        "k8v4:v",
+        "k8v4:v@L2",
+        "k8v4:v@L3",
+    ]
+    fixed = emu.configurations(["3bit_nc"], ["kv"], [2], ["a", "b"], fixes_only=True)
+    assert [c[0] for c in fixed] == ["auto", "3bit_nc:kv+a", "3bit_nc:kv+b"]
