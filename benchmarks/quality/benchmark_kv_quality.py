@@ -121,7 +121,18 @@ KV_DTYPES = (
     "turboquant_3bit_nc",
 )
 # Skip-layer settings: label -> kv_cache_dtype_skip_layers (None: not passed).
+# --skip also takes a list of its own, comma-separated, as its label (e.g.
+# "boundary:0,19=turboquant_4bit_nc": layer 19 stores its own preset).
 SKIPS: dict[str, list[str] | None] = {"default": None, "boundary:0": ["boundary:0"]}
+
+
+def skip_entries(label: str) -> list[str] | None:
+    """The ``kv_cache_dtype_skip_layers`` a cell's skip label stands for."""
+    if label in SKIPS:
+        return SKIPS[label]
+    return label.split(",")
+
+
 PHASES = ("ppl", "agreement", "needle", "answer")
 GIB = 1 << 30
 
@@ -169,12 +180,13 @@ class UsageError(Exception):
 class Cell:
     model: str
     kv: str
-    skip: str  # a key of SKIPS
+    skip: str  # a key of SKIPS, or a comma-separated skip list
 
     @property
     def key(self) -> str:
         # Also a file name: letters, digits, '.', '_' and '-' only.
-        return f"{self.model}.{self.kv}.{self.skip.replace(':', '')}"
+        skip = self.skip.replace(":", "").replace("turboquant_", "")
+        return f"{self.model}.{self.kv}.{re.sub(r'[^A-Za-z0-9._-]', '-', skip)}"
 
 
 # ---------------------------------------------------------------- arguments
@@ -312,9 +324,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument(
         "--skip",
         nargs="+",
-        choices=list(SKIPS),
         default=list(SKIPS),
-        help="skip-layer settings of the TurboQuant cells",
+        metavar="SKIP",
+        help=f"skip-layer settings of the TurboQuant cells: {', '.join(SKIPS)}, or "
+        "a comma-separated --kv-cache-dtype-skip-layers list of its own",
     )
     ap.add_argument(
         "--corpus",
@@ -367,7 +380,8 @@ def plan_cells(
             if not kv.startswith("turboquant_"):
                 cells.append(Cell(model, kv, "default"))
                 continue
-            cells.extend(Cell(model, kv, s) for s in SKIPS if s in skips)
+            own = [s for s in skips if s not in SKIPS]
+            cells.extend(Cell(model, kv, s) for s in [*SKIPS, *own] if s in skips)
     return cells
 
 
@@ -395,8 +409,8 @@ def engine_kwargs(cell: Cell, kv_cache_gib: float) -> dict[str, Any]:
         kv_cache_memory_bytes=int(kv_cache_gib * GIB),
         **ENGINE,
     )
-    if SKIPS[cell.skip] is not None:
-        kw["kv_cache_dtype_skip_layers"] = list(SKIPS[cell.skip])
+    if skip_entries(cell.skip) is not None:
+        kw["kv_cache_dtype_skip_layers"] = list(skip_entries(cell.skip))
     return kw
 
 
@@ -446,7 +460,7 @@ def cell_record(
         "model": cell.model,
         "kv": cell.kv,
         "skip": cell.skip,
-        "skip_layers": SKIPS[cell.skip],
+        "skip_layers": skip_entries(cell.skip),
         "gpu": gpu,
         "rc": rc,
         "wall_s": round(wall, 1),
@@ -511,7 +525,7 @@ def not_run_record(cell: Cell, why: str) -> dict[str, Any]:
         "model": cell.model,
         "kv": cell.kv,
         "skip": cell.skip,
-        "skip_layers": SKIPS[cell.skip],
+        "skip_layers": skip_entries(cell.skip),
         "status": why,
     }
 

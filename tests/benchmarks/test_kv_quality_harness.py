@@ -440,6 +440,27 @@ def test_engine_kwargs_pass_the_skip_list_only_when_not_default(bench):
     assert kw["max_model_len"] == 8192
 
 
+def test_a_skip_list_of_its_own_is_a_cell(bench):
+    """``--skip boundary:0,19=turboquant_4bit_nc``: a TurboQuant cell whose
+    engine gets that list (a layer with its own preset), after the named
+    settings, under a file-safe key."""
+    own = "boundary:0,19=turboquant_4bit_nc,2=turboquant_4bit_nc"
+    cells = bench.plan_cells(
+        ["smollm2_135m"], ["auto", "turboquant_3bit_nc"], [own, "boundary:0"]
+    )
+    assert [c.skip for c in cells] == ["default", "boundary:0", own]
+    assert (
+        cells[2].key == "smollm2_135m.turboquant_3bit_nc.boundary0-19-4bit_nc-2-4bit_nc"
+    )
+    assert re.fullmatch(r"[\w.-]+", cells[2].key)
+    kw = bench.engine_kwargs(cells[2], 3)
+    assert kw["kv_cache_dtype_skip_layers"] == [
+        "boundary:0",
+        "19=turboquant_4bit_nc",
+        "2=turboquant_4bit_nc",
+    ]
+
+
 class FakeLLM:
     """vllm.LLM's surface the child uses: generate() and collective_rpc()."""
 

@@ -50,3 +50,33 @@ def test_odd_strides_are_read_as_bytes():
     padded = torch.zeros(4 * (16 * 2 * 134 + 1), dtype=torch.uint8)
     odd = padded.as_strided((4, 16, 2, 134), (16 * 2 * 134 + 1, 2 * 134, 134, 1))
     assert not words_aligned(odd)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_store_refuses_a_cache_of_another_preset(preset):
+    """A layer's store checks that the cache's slots are its preset's: a
+    cache shaped for another preset (a model whose layers store different
+    presets) would otherwise be written at the wrong slot width."""
+    from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
+
+    cfg = TurboQuantConfig.from_cache_dtype(preset, 128)
+    other = "turboquant_3bit_nc" if preset != "turboquant_3bit_nc" else PRESETS[0]
+    wrong = TurboQuantConfig.from_cache_dtype(other, 128).slot_size_aligned
+    key = torch.zeros(1, 2, 128)
+    cache = torch.zeros(4, 16, 2, wrong, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError,
+        match=rf"slots are {wrong} bytes.*stores {cfg.slot_size_aligned}-byte slots",
+    ):
+        turboquant_store(
+            key,
+            key,
+            cache,
+            torch.zeros(1, dtype=torch.long),
+            torch.eye(128),
+            torch.zeros(15),
+            mse_bits=cfg.mse_bits,
+            key_packed_size=cfg.key_packed_size,
+            value_quant_bits=cfg.effective_value_quant_bits,
+            key_fp8=cfg.key_fp8,
+        )

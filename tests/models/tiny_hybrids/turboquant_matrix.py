@@ -145,6 +145,17 @@ def configs() -> list[Config]:
         Config("qwen3_5_16", "auto"),
         Config("qwen3_5_16", "turboquant_4bit_nc", "none", ("boundary:1",)),
         Config("qwen3_5_16", "turboquant_4bit_nc", "mtp", ("boundary:1",)),
+        # One attention layer with its own preset: its pages differ from the
+        # other quantized layers', so the runner must shape each from its own.
+        *(
+            Config(
+                "qwen3_5_16",
+                "turboquant_3bit_nc",
+                spec,
+                ("boundary:0", "7=turboquant_4bit_nc"),
+            )
+            for spec in ("none", "mtp")
+        ),
         Config("qwen3_next", "auto", "draft"),
         Config("qwen3_next", "turboquant_4bit_nc", "draft"),
     ]

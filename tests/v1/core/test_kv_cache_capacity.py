@@ -316,3 +316,48 @@ def test_gemma_4_backend_per_layer_kind(models, capability):
     assert report.fails == bool(report.backend_errors)
     for reason in report.backend_errors.values():
         assert "not valid" in reason or "No valid attention backend" in reason
+
+
+@pytest.mark.parametrize(
+    "model, kw, entries, dtypes, padding",
+    [
+        (
+            "Qwen3-4B",
+            dict(max_model_len=32768, kv_cache_memory_bytes=4 * GIB),
+            ["boundary:0", "19=turboquant_4bit_nc", "7=turboquant_4bit_nc"],
+            {"turboquant_3bit_nc": 34, "turboquant_4bit_nc": 2},
+            0.0,
+        ),
+        (
+            "Qwen3.6-27B",
+            {**QWEN36, "language_model_only": True},
+            ["7=turboquant_4bit_nc", "63=turboquant_4bit_nc"],
+            {"turboquant_3bit_nc": 14, "turboquant_4bit_nc": 2},
+            0.0575,
+        ),
+    ],
+)
+def test_layers_with_their_own_preset_are_planned(
+    models, model, kw, entries, dtypes, padding
+):
+    """``N=PRESET`` entries: those layers' pages are their preset's, so the
+    plan's KV tokens fall between the two presets' own plans. A hybrid's
+    attention layers share one block size, the one that fits the larger
+    per-token bytes to the GDN page (1,568 tokens here, 2,064 for 3-bit
+    alone): the 3-bit layers' pages are then padded to the common page, as
+    the plan says."""
+    mixed = plan(
+        models[model],
+        kv_cache_dtype="turboquant_3bit_nc",
+        kv_cache_dtype_skip_layers=entries,
+        **kw,
+    )
+    assert mixed.error is None, mixed.error
+    assert mixed.layer_dtypes == dtypes
+    whole = [e for e in entries if "=" not in e]
+    three, four = (
+        plan(models[model], kv_cache_dtype=p, kv_cache_dtype_skip_layers=whole, **kw)
+        for p in ("turboquant_3bit_nc", "turboquant_4bit_nc")
+    )
+    assert four.kv_tokens < mixed.kv_tokens < three.kv_tokens
+    assert mixed.padding_fraction == pytest.approx(padding, abs=5e-4)

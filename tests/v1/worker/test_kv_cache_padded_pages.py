@@ -155,14 +155,20 @@ def test_flash_attention_reads_a_padded_cache_like_a_contiguous_one():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
-def _layout_runner(groups):
+def _layout_runner(groups, layer_dtypes=None):
     """The runner state ``_reshape_kv_cache_tensors`` reads: attention groups
-    of ``(layer, spec, backend)``, one KV-cache group each."""
+    of ``(layer, spec, backend)``, one KV-cache group each; ``layer_dtypes``
+    the layers' own KV dtypes (their ``Attention.kv_cache_dtype``)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    layers = {
+        name: SimpleNamespace(kv_cache_dtype=dtype)
+        for name, dtype in (layer_dtypes or {}).items()
+    }
     runner = SimpleNamespace(
         runner_only_attn_layers=set(),
         cache_config=SimpleNamespace(cache_dtype="turboquant_4bit_nc"),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
         kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
         attn_groups=[
             [

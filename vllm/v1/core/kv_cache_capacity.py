@@ -1523,7 +1523,12 @@ def check_quantized_layers(
 ) -> None:
     """A quantized ``kv_cache_dtype`` that the skip rules keep off every layer."""
     cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype == "auto" or not layer_dtypes or cache_dtype in layer_dtypes:
+    # A layer with its own TurboQuant preset is quantized too.
+    if (
+        cache_dtype == "auto"
+        or not layer_dtypes
+        or any(d != "auto" for d in layer_dtypes)
+    ):
         return
     resolved = list(vllm_config.cache_config.kv_cache_dtype_skip_layers or [])
     indices = sum(1 for entry in resolved if entry.isdigit())

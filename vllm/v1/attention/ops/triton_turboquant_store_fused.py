@@ -43,7 +43,11 @@ from vllm.v1.attention.ops.triton_turboquant_store import (
     triton_turboquant_store,
 )
 from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
-from vllm.v1.attention.ops.turboquant_slot_layout import check_key_offset, slot_layout
+from vllm.v1.attention.ops.turboquant_slot_layout import (
+    check_cache_slots,
+    check_key_offset,
+    slot_layout,
+)
 
 
 @triton.jit
@@ -401,6 +405,7 @@ def turboquant_store(
             "key_scale applies to MSE keys; FP8 keys are stored per element and "
             "take none"
         )
+    check_cache_slots(kv_cache, slot_layout(D, key_fp8, mse_bits, value_quant_bits))
     pow2 = D >= 16 and not D & (D - 1)
     if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
         val_bytes = slot_layout(D, True, 0, value_quant_bits).value_index_bytes

@@ -77,6 +77,22 @@ def config_slot_layout(cfg) -> SlotLayout:
     )
 
 
+def check_cache_slots(kv_cache: torch.Tensor, layout: SlotLayout) -> None:
+    """Refuse a cache whose slots are not ``layout``'s (their size rounded up
+    to even, as ``TurboQuantConfig.slot_size_aligned``): a layer reading a
+    cache shaped for another preset would read and write the wrong bytes."""
+    want = layout.slot_bytes + layout.slot_bytes % 2
+    if kv_cache.shape[-1] != want:
+        keys = "FP8" if layout.key_fp8 else f"{layout.key_bits}-bit"
+        raise ValueError(
+            f"the KV cache's slots are {kv_cache.shape[-1]} bytes, but this layer "
+            f"({keys} keys, {layout.value_bits}-bit values, head_dim "
+            f"{layout.head_dim}) stores {want}-byte slots: its cache was shaped "
+            "for another TurboQuant preset. Shape each layer's cache from its own "
+            "KV dtype (the attention layer's kv_cache_dtype)."
+        )
+
+
 def words_aligned(kv_cache: torch.Tensor, width: int = 2) -> bool:
     """Whether every packed field of every slot starts at a multiple of
     ``width`` bytes, so the cache can be read as ``width``-byte words.

@@ -10,7 +10,11 @@ entries are:
 - ``draft``: every layer of a speculative drafter (MTP head, EAGLE head or
   separate draft model);
 - ``boundary:N``: TurboQuant's boundary protection, the first ``N`` and last
-  ``N`` *attention* layers of the main model.
+  ``N`` *attention* layers of the main model;
+- ``N=PRESET``: main-model attention layer ``N`` stores another TurboQuant
+  preset than the run's (``19=turboquant_4bit_nc`` in a
+  ``turboquant_3bit_nc`` run): a budget of bits spent where a model's
+  quantization error costs the most.
 
 Policy for TurboQuant (``turboquant_*``), decided once in
 ``resolve_skip_layers`` and applied per layer by ``layer_kv_cache_dtype``:
@@ -52,6 +56,7 @@ logger = init_logger(__name__)
 SLIDING_WINDOW = "sliding_window"
 DRAFT = "draft"
 BOUNDARY_PREFIX = "boundary:"
+PRESET_SEPARATOR = "="
 DEFAULT_BOUNDARY_DENSE = 2
 DEFAULT_BOUNDARY_HYBRID = 0
 
@@ -113,7 +118,67 @@ def boundary_layers(
 
 
 def _sort_key(entry: str) -> tuple[int, int, str]:
-    return (0, int(entry), "") if entry.isdigit() else (1, 0, entry)
+    index, _, preset = entry.partition(PRESET_SEPARATOR)
+    return (0, int(index), preset) if index.isdigit() else (1, 0, entry)
+
+
+def layer_presets(skip_layers: list[str]) -> dict[int, str]:
+    """Main-model layer index -> its own TurboQuant preset (``N=PRESET``
+    entries, checked by ``resolve_skip_layers``)."""
+    presets = {}
+    for entry in skip_layers:
+        index, sep, preset = entry.partition(PRESET_SEPARATOR)
+        if sep and index.isdigit():
+            presets[int(index)] = preset
+    return presets
+
+
+def _check_layer_presets(
+    skip: list[str], attention: list[int], boundary: tuple[int, list[int]]
+) -> None:
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TQ_PRESETS,
+    )
+
+    seen: dict[int, str] = {}
+    for entry in skip:
+        index, sep, preset = entry.partition(PRESET_SEPARATOR)
+        if not sep:
+            continue
+        if not index.isdigit() or preset not in TQ_PRESETS:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r}: expected "
+                f"'N{PRESET_SEPARATOR}PRESET', N a main-model attention layer and "
+                f"PRESET one of {sorted(TQ_PRESETS)} (e.g. "
+                f"'{attention[0]}{PRESET_SEPARATOR}turboquant_4bit_nc')."
+            )
+        layer = int(index)
+        if layer not in attention:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r}: layer {layer} has "
+                "no KV cache (a GDN/Mamba layer, or past the model's layers). The "
+                f"model's attention layers are {attention}: give one of those."
+            )
+        if index in skip:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entries {index!r} and {entry!r} give "
+                f"layer {layer} two KV dtypes (the model dtype, and {preset}). "
+                "Keep one of them."
+            )
+        if layer in seen and seen[layer] != preset:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers gives layer {layer} two presets "
+                f"({seen[layer]} and {preset}). Keep one of them."
+            )
+        seen[layer] = preset
+        n, kept = boundary
+        if layer in kept:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r}: layer {layer} is "
+                f"kept at the model dtype by boundary protection "
+                f"({BOUNDARY_PREFIX}{n}, the first and last {n} attention layers). "
+                f"Give {BOUNDARY_PREFIX}0 (or a smaller N), or another layer."
+            )
 
 
 def resolve_skip_layers(
@@ -128,11 +193,12 @@ def resolve_skip_layers(
             entry.isdigit()
             or entry in (SLIDING_WINDOW, DRAFT)
             or entry.startswith(BOUNDARY_PREFIX)
+            or PRESET_SEPARATOR in entry
         ):
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
-                f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}' or "
-                f"'{BOUNDARY_PREFIX}N'."
+                f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}', "
+                f"'{BOUNDARY_PREFIX}N' or 'N{PRESET_SEPARATOR}PRESET'."
             )
         if entry.isdigit() and int(entry) >= text_config.num_hidden_layers:
             raise ValueError(
@@ -149,6 +215,7 @@ def resolve_skip_layers(
             "nothing to quantize. Use --kv-cache-dtype auto."
         )
     n, kept = boundary_layers(skip, attention, model_config.is_hybrid)
+    _check_layer_presets(skip, attention, (n, kept))
     merged = set(skip) | {str(i) for i in kept}
     if has_sliding_window_layers(text_config) and SLIDING_WINDOW not in merged:
         merged.add(SLIDING_WINDOW)
@@ -196,6 +263,14 @@ def layer_kv_cache_dtype(
         else None
     )
     quantized = kv_cache_dtype.startswith("turboquant_")
+    presets = layer_presets(skip_layers)
+    if presets and not quantized:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers gives layers {sorted(presets)} their own "
+            f"TurboQuant preset, but the KV cache dtype is {kv_cache_dtype!r}: a "
+            "layer's preset replaces the run's TurboQuant preset. Give a "
+            "--kv-cache-dtype turboquant_* or leave those entries out."
+        )
     draft = is_draft_layer(prefix, num_main_layers)
     decision = LayerDecision(kv_cache_dtype, "draft layer" if draft else "")
     if sliding_window is not None and (SLIDING_WINDOW in skip_layers or quantized):
@@ -212,6 +287,8 @@ def layer_kv_cache_dtype(
             index = None
         if index is not None and str(index) in skip_layers:
             decision = LayerDecision("auto", f"layer {index} in skip list")
+        elif index is not None and index in presets:
+            decision = LayerDecision(presets[index], f"layer {index}'s own preset")
     _DECISIONS[prefix] = decision
     return decision.kv_cache_dtype, decision.reason
 
