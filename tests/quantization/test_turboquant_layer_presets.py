@@ -90,6 +90,12 @@ def test_a_hybrid_takes_presets_on_its_attention_layers(tmp_path):
             r"layer 19 two presets",
         ),
         ("Qwen3-4B", ["1=" + OWN], {}, r"layer 1 is kept .*boundary:2.*boundary:0"),
+        (
+            "Gemma-4-31B",
+            ["2=" + OWN],
+            {"tensor_parallel_size": 4},
+            r"layer 2 is a sliding-window layer.*full-attention layer",
+        ),
     ],
 )
 def test_bad_preset_entries_are_named(tmp_path, model, entries, kwargs, match):

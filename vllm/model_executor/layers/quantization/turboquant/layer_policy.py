@@ -87,11 +87,19 @@ def attention_layer_indices(hf_text_config) -> list[int]:
     return list(range(num_layers))
 
 
+def sliding_layer_indices(hf_text_config) -> set[int]:
+    """Main-model layers with a sliding window (every layer when the model has
+    one window and no per-layer types)."""
+    types = getattr(hf_text_config, "layer_types", None)
+    if not types:
+        if getattr(hf_text_config, "sliding_window", None) is None:
+            return set()
+        return set(range(hf_text_config.num_hidden_layers))
+    return {i for i, t in enumerate(types) if t in _SLIDING_TYPES}
+
+
 def has_sliding_window_layers(hf_text_config) -> bool:
-    types = getattr(hf_text_config, "layer_types", None) or []
-    if any(t in _SLIDING_TYPES for t in types):
-        return True
-    return not types and getattr(hf_text_config, "sliding_window", None) is not None
+    return bool(sliding_layer_indices(hf_text_config))
 
 
 def boundary_layers(
@@ -134,7 +142,10 @@ def layer_presets(skip_layers: list[str]) -> dict[int, str]:
 
 
 def _check_layer_presets(
-    skip: list[str], attention: list[int], boundary: tuple[int, list[int]]
+    skip: list[str],
+    attention: list[int],
+    sliding: set[int],
+    boundary: tuple[int, list[int]],
 ) -> None:
     from vllm.model_executor.layers.quantization.turboquant.config import (
         TQ_PRESETS,
@@ -158,6 +169,12 @@ def _check_layer_presets(
                 f"--kv-cache-dtype-skip-layers entry {entry!r}: layer {layer} has "
                 "no KV cache (a GDN/Mamba layer, or past the model's layers). The "
                 f"model's attention layers are {attention}: give one of those."
+            )
+        if layer in sliding:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r}: layer {layer} is a "
+                "sliding-window layer, which TurboQuant keeps at the model dtype "
+                "(it has no sliding-window kernel). Give a full-attention layer."
             )
         if index in skip:
             raise ValueError(
@@ -215,7 +232,7 @@ def resolve_skip_layers(
             "nothing to quantize. Use --kv-cache-dtype auto."
         )
     n, kept = boundary_layers(skip, attention, model_config.is_hybrid)
-    _check_layer_presets(skip, attention, (n, kept))
+    _check_layer_presets(skip, attention, sliding_layer_indices(text_config), (n, kept))
     merged = set(skip) | {str(i) for i in kept}
     if has_sliding_window_layers(text_config) and SLIDING_WINDOW not in merged:
         merged.add(SLIDING_WINDOW)
