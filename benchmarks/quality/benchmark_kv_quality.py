@@ -7,7 +7,7 @@ real weights (GPU).
     python benchmarks/quality/benchmark_kv_quality.py \\
         --model smollm2_135m=DIR --model gemma3_270m=DIR [--corpus FILE ...] \\
         [--out OUTDIR] [--jobs 6] [--gpus 0,1] [--timeout 420] [--deadline 450] \\
-        [--models NAME ...] [--kv KV ...] [--skip default boundary:0]
+        [--models NAME ...] [--kv KV ...] [--skip default boundary:0 LIST ...]
 
 The checkpoints are the directories ``tests/models/real_weights/checkpoints.py``
 converts (``python -m tests.models.real_weights.checkpoints OUTDIR --gguf
@@ -21,6 +21,9 @@ full-attention layer quantized; the default keeps the first and last two
 attention layers at bf16 on these all-attention models, and Gemma 3's
 sliding-window layers stay bf16 either way). ``--skip`` narrows the
 TurboQuant cells only; auto and fp8 run once. 20 cells for both models.
+``--skip`` also takes a skip list of its own, comma-separated, as one more
+setting (``boundary:0,11=turboquant_4bit_nc``: layer 11 stores its own
+preset).
 
 How: the parent tokenizes the corpus once per model with the checkpoint's
 tokenizer (its BOS as the tokenizer adds it) and builds every prompt as token
