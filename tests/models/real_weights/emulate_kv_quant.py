@@ -182,6 +182,13 @@ class Emu:
         # 3.5-bit budget can afford at 4 bits).
         self.upgraded: dict[int, tuple[int, int, str]] = {}
 
+    def configure(self, config: tuple, upgrade_preset: tuple[int, int, str]):
+        """Set one entry of ``configurations`` (its name aside), its upgraded
+        layers storing ``upgrade_preset``."""
+        _, layers, self.kbits, self.vbits, self.nc, self.fix, up = config
+        self.layers = set(layers)
+        self.upgraded = dict.fromkeys(up, upgrade_preset)
+
     @contextlib.contextmanager
     def _layer_preset(self, layer: int):
         """The configuration's preset, or ``layer``'s in ``upgraded``."""
@@ -1005,10 +1012,9 @@ def main(argv=None) -> int:
                 answer = needle_answer(tok, c)
             else:
                 cache, answer = needle_prompt(lm, tok, c)
-            for name, lys, kb, vb, nc, fix, up in configs:
-                EMU.layers, EMU.kbits, EMU.vbits = set(lys), kb, vb
-                EMU.nc, EMU.fix = nc, fix
-                EMU.upgraded = dict.fromkeys(up, up_preset)
+            for config in configs:
+                name = config[0]
+                EMU.configure(config, up_preset)
                 got = (
                     needle_digits_chunked(lm, c, answer)
                     if args.needle_chunked
@@ -1036,10 +1042,10 @@ def main(argv=None) -> int:
                 flush=True,
             )
         configs = []
-    for name, lys, kb, vb, nc, fix, up in configs:
+    for config in configs:
+        name = config[0]
         t0 = time.time()
-        EMU.layers, EMU.kbits, EMU.vbits, EMU.nc, EMU.fix = set(lys), kb, vb, nc, fix
-        EMU.upgraded = dict.fromkeys(up, up_preset)
+        EMU.configure(config, up_preset)
         nll, n, agree, per = 0.0, 0, 0, []
         for w, ids in enumerate(windows):
             s, c, g = window_nll(lm, ids)
