@@ -310,7 +310,9 @@ def engine(spec: dict):
     scenarios = {name: SCENARIOS[name] for name in spec["scenarios"]}
     max_len = max(i + o for _, i, o in scenarios.values()) + 16
     # No more sequences than a scenario submits: fewer CUDA graphs to capture.
-    max_seqs = max(16, max(n for n, _, _ in scenarios.values()))
+    max_seqs = spec.get("max_num_seqs") or min(
+        max(16, max(n for n, _, _ in scenarios.values())), 512
+    )
     kv, prefix_caching = kv_config(spec["kv"])
     if prefix_caching is not None:
         extras = {**extras, "enable_prefix_caching": prefix_caching}
@@ -322,7 +324,7 @@ def engine(spec: dict):
             skip_tokenizer_init=True,
             kv_cache_dtype=kv,
             max_model_len=max_len,
-            max_num_seqs=min(max_seqs, 512),
+            max_num_seqs=max_seqs,
             gpu_memory_utilization=spec["gpu_memory_utilization"],
             disable_log_stats=False,
             seed=0,
@@ -549,6 +551,7 @@ def run_config(model, kv, scenarios, args, profile=False) -> dict:
         scenarios=scenarios,
         repeats=args.repeats,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
         profile=profile,
     )
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
@@ -678,6 +681,7 @@ def run_interleaved(model, kvs, scenarios, args) -> list[dict]:
             kv=kv,
             scenarios=scenarios,
             gpu_memory_utilization=args.gpu_memory_utilization / len(kvs),
+            max_num_seqs=args.max_num_seqs,
         )
         cfg = ServedConfig(served_command(spec), env, args.timeout)
         rows[kv] = dict(model=model, kv=kv, rc=None, interleaved=True)
@@ -809,6 +813,12 @@ def markdown(meta, rows):
             "repeats, of tok/s and of the median TTFT; prefill = first scheduled "
             "to first token on the engine core's clock (TTFT without the queue "
             "and the hand-off), median of the repeats' medians."
+            + (
+                f" Engines ran at most {meta['max_num_seqs']} sequences at once "
+                "(--max-num-seqs)."
+                if meta.get("max_num_seqs")
+                else ""
+            )
         ),
         "",
         (
@@ -1032,6 +1042,8 @@ def lane_command(lane: dict, args, out: Path) -> list[str]:
     cmd += ["--scenarios", *lane["scenarios"], "--kv", *lane["kv"]]
     cmd += ["--repeats", str(args.repeats), "--timeout", str(args.timeout)]
     cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     return cmd + ["--out", str(out)] + (["--keep-logs"] if args.keep_logs else [])
 
 
@@ -1109,6 +1121,13 @@ def main():
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="sequences an engine runs at once (default: the most a scenario "
+        "submits, 16 to 512); vLLM captures no FULL CUDA graph for more rows "
+        "than this",
+    )
+    ap.add_argument(
         "--timeout",
         type=int,
         default=1800,
@@ -1156,6 +1175,7 @@ def main():
     args = ap.parse_args()
     counts = {
         "--repeats": (args.repeats, "timed repeats of each scenario"),
+        "--max-num-seqs": (args.max_num_seqs, "sequences an engine runs at once"),
         "--timeout": (
             args.timeout,
             "seconds a configuration's process may run (--interleave: per "
@@ -1266,6 +1286,7 @@ def main():
         torch=torch.__version__,
         python=platform.python_version(),
         repeats=args.repeats,
+        max_num_seqs=args.max_num_seqs,
         quick=args.quick,
         scenarios={s: SCENARIOS[s] for s in scenarios},
         tq_decode=os.environ.get("VLLM_TURBOQUANT_DECODE", "default"),

@@ -95,7 +95,7 @@ def test_engine_logs_are_kept_on_request(e2e, monkeypatch, tmp_path, keep):
     monkeypatch.setattr(e2e, "run_process_group", child)
     args = Namespace(
         repeats=1, gpu_memory_utilization=0.9, timeout=10, out=str(tmp_path),
-        keep_logs=keep,
+        keep_logs=keep, max_num_seqs=None,
     )  # fmt: skip
     row = e2e.run_config("Qwen3-4B", "turboquant_k8v4", ["short-decode"], args)
     assert row["kv_tokens"] == 1000
@@ -358,6 +358,7 @@ def test_a_timed_out_configuration_takes_its_engine_core_down(e2e, tmp_path):
     [
         (["--repeats", "0"], "--repeats 0: expected at least 1"),
         (["--timeout", "-5"], "--timeout -5: expected at least 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs 0: expected at least 1"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5"),
         # Not the whole matrix (hours) in place of the list left empty.
         (["--kv"], "--kv: expected at least one argument"),
@@ -452,7 +453,9 @@ def _fake_served(e2e, monkeypatch, tmp_path, rounds, behaviour=None):
 
 
 def _interleave_command():
-    return readme_command(r"`python (benchmarks/e2e/\S+ [^`]*--interleave[^`]*)`")
+    return readme_command(
+        r"`python (benchmarks/e2e/\S+ [^`]*first-token[^`]*--interleave[^`]*)`"
+    )
 
 
 def test_interleaved_repeats_pair_each_kv_dtype_with_auto(
@@ -489,6 +492,45 @@ def test_interleaved_repeats_pair_each_kv_dtype_with_auto(
     assert all(r["rc"] == 0 and r["interleaved"] for r in rows)
 
 
+def test_max_num_seqs_reaches_every_engine_and_the_table(
+    e2e, monkeypatch, capsys, tmp_path
+):
+    """benchmarks/README.md's high-load command with --max-num-seqs: every
+    engine runs that many sequences, and the table says so."""
+    command = readme_command(
+        r"`python (benchmarks/e2e/\S+ [^`]*high-load[^`]*--max-num-seqs[^`]*)`"
+    )
+    repeats = int(re.search(r"--repeats (\d+)", command)[1])
+    asked, _ = _fake_served(e2e, monkeypatch, tmp_path, repeats)
+    monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
+    e2e.main()
+    assert [s["max_num_seqs"] for s in asked] == [512, 512]
+    assert "Engines ran at most 512 sequences at once" in capsys.readouterr().out
+    (json_file,) = tmp_path.glob("e2e-*.json")
+    assert json.loads(json_file.read_text())["meta"]["max_num_seqs"] == 512
+
+
+@pytest.mark.parametrize("asked, runs", [(None, 500), (512, 512)])
+def test_an_engine_runs_the_sequences_asked_or_its_scenarios_most(
+    e2e, monkeypatch, asked, runs
+):
+    import vllm
+
+    made = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+            raise RuntimeError("constructed")
+
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    spec = dict(model="Qwen3-4B", kv="auto", scenarios=["high-load"],
+                gpu_memory_utilization=0.5, max_num_seqs=asked)  # fmt: skip
+    with pytest.raises(RuntimeError, match="constructed"), e2e.engine(spec):
+        pass
+    assert made["max_num_seqs"] == runs
+
+
 @pytest.mark.parametrize(
     "behaviour, rc, named",
     [
@@ -510,6 +552,7 @@ def test_an_interleaved_engine_that_does_not_start_fails_alone(
         timeout=3,
         keep_logs=True,
         out=str(tmp_path),
+        max_num_seqs=None,
     )
     kvs = ["auto", "turboquant_k8v4", "turboquant_4bit_nc"]
     rows = e2e.run_interleaved("Qwen3-4B", kvs, ["first-token"], args)
