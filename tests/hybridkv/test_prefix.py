@@ -29,6 +29,30 @@ def test_prefix_tree_holds_exactly_the_first_n_patches(tmp_path, pristine_root, 
     assert next(tree.glob("vllm-*.dist-info")).is_dir()
 
 
+def test_prefix_tree_writes_nothing_through_a_link(tmp_path, pristine_root, series):
+    """A directory no patch writes into is one link to the pristine wheel; no
+    file a patch writes has a linked directory above it, so applying the
+    whole series leaves the pristine wheel as it was."""
+    n = len(series.patches)
+    tree = prefix_tree(series, n, tmp_path / "tree")
+    written = [d.path for p in series.patches for d in p.diffs]
+    written += [rel for p in series.patches for rel in p.listed("Overlay")]
+    for rel in written:
+        path = tree / rel
+        assert path.is_file() and not path.is_symlink(), rel
+        assert not any(parent.is_symlink() for parent in path.parents), rel
+    untouched = [
+        d.name
+        for d in (pristine_root / "vllm").iterdir()
+        if d.is_dir()
+        and d.name != "__pycache__"
+        and not any(r.startswith(f"vllm/{d.name}/") for r in written)
+    ]
+    assert untouched, "every top-level package is patched: pick another check"
+    for name in untouched:
+        assert (tree / "vllm" / name).is_symlink(), name
+
+
 def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeypatch):
     """With --jobs 2 two patches' tests run at a time; each one's output is
     held and printed under its own heading, in series order, and a red patch
