@@ -54,3 +54,47 @@ def test_each_layer_is_shaped_from_its_own_preset(padded):
     for name, preset in presets.items():
         want = TurboQuantConfig.from_cache_dtype(preset, 128).slot_size_aligned
         assert caches[name].shape == (4, 16, 2, want), name
+
+
+def test_the_v2_runner_shapes_each_layer_from_its_own_preset():
+    """``VLLM_USE_V2_MODEL_RUNNER=1``'s ``init_kv_cache`` took the run's KV
+    dtype for every layer, as the V1 runner did before release 44."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+
+    presets = {
+        "model.layers.0.self_attn.attn": "turboquant_3bit_nc",
+        "model.layers.1.self_attn.attn": "turboquant_4bit_nc",
+    }
+    specs = {name: _spec(p) for name, p in presets.items()}
+    config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[
+            KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=[name])
+            for name, spec in specs.items()
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec([name], spec) for name, spec in specs.items()
+        ],
+    )
+    layers = {
+        name: SimpleNamespace(kv_cache_dtype=preset) for name, preset in presets.items()
+    }
+    with set_current_vllm_config(VllmConfig()):
+        caches = init_kv_cache(
+            [],
+            layers,
+            config,
+            dict.fromkeys(presets, TurboQuantAttentionBackend),
+            torch.device("cpu"),
+            "turboquant_3bit_nc",
+        )
+    for name, preset in presets.items():
+        want = TurboQuantConfig.from_cache_dtype(preset, 128).slot_size_aligned
+        assert caches[name].shape == (4, 16, 2, want), name
