@@ -32,6 +32,7 @@ def prefix_tree(series: Series, n: int, dest: Path) -> Path:
     written = [Path(d.path) for p in series.patches[:n] for d in p.diffs]
     written += [Path(rel) for p in series.patches[:n] for rel in p.listed("Overlay")]
     made = {parent for path in written for parent in path.parents}
+    dest.mkdir(parents=True, exist_ok=True)
     _link_farm(src, dest, Path("vllm"), made)
     for info in src.glob("vllm-*.dist-info"):
         shutil.copytree(info, dest / info.name)
