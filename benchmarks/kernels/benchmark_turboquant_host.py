@@ -29,6 +29,8 @@ against the same metadata without the builder's decode and prefill halves
 rounds interleaved (``paired_host_us``), because host time read in separate
 processes differs by up to half on one machine.
 
+It also takes two calls apart: one stage 1 launch, and the cache update of
+a decode step (the backend's Python, the store kernel's launch by part).
 ``--cprofile`` prints where the TurboQuant forward's host time goes.
 
     python benchmarks/kernels/benchmark_turboquant_host.py
@@ -374,6 +376,70 @@ def launch_breakdown(preset: str, device) -> dict:
     return {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
 
 
+def captured_store_launch(update, run: bool) -> dict:
+    """Call ``update`` (a TurboQuant cache update) with the fused store's
+    launches captured: the kernel, grid and arguments of its launch, which
+    runs only with ``run``."""
+    from vllm.v1.attention.ops import triton_turboquant_store_fused as store
+
+    captured: dict = {}
+
+    class _Capture:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                captured.update(kernel=self.kernel, grid=grid, args=args, kw=kw)
+                if run:
+                    self.kernel[grid](*args, **kw)
+
+            return launch
+
+    old = store.launcher
+    store.launcher = _Capture
+    try:
+        update()
+    finally:
+        store.launcher = old
+    return captured
+
+
+def store_breakdown(preset: str, device) -> dict:
+    """Host µs of the cache update of an eager decode step (512 rows), by
+    part: the backend's whole ``do_kv_cache_update``; the same with its one
+    launch taking no time (the backend's Python alone); the store kernel's JIT
+    launch, its argument binder, and a launch of the compiled kernel that
+    skips the binder (the arguments captured from that update)."""
+    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    n = cam.num_actual_tokens
+    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+
+    def update():
+        impl.do_kv_cache_update(layer, k, v, cache, cam.slot_mapping)
+
+    c = captured_store_launch(update, run=True)
+    python_only = host_and_gpu_us(
+        lambda: captured_store_launch(update, run=False), 100
+    )[0]
+    torch.cuda.synchronize()
+    kernel, grid, args, kw = c["kernel"], c["grid"], c["args"], c["kw"]
+    binder = kernel.device_caches[torch.cuda.current_device()][4]
+    bound, _, _ = binder(*args, **kw)
+    direct = kernel[grid](*args, **kw)[grid]
+    values = list(bound.values())
+    parts = dict(
+        update=update,
+        jit_launch=lambda: kernel[grid](*args, **kw),
+        binder=lambda: binder(*args, **kw),
+        compiled_launch=lambda: direct(*values),
+    )
+    us = {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
+    return dict(update=us.pop("update"), python_only=python_only, **us)
+
+
 def _step_text(step: dict) -> str:
     """A step's decode rows and first chunks, whichever it has."""
     parts = []
@@ -384,7 +450,12 @@ def _step_text(step: dict) -> str:
     return " + ".join(parts)
 
 
-def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> str:
+def markdown(
+    device_name: str,
+    rows: list[dict],
+    launch: dict | None = None,
+    store: dict | None = None,
+) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
         "",
@@ -437,6 +508,21 @@ def markdown(device_name: str, rows: list[dict], launch: dict | None = None) -> 
             out.append(
                 f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
             )
+    if store:
+        parts = list(next(iter(store.values())))
+        out += [
+            "",
+            "Host µs of the cache update of a decode step (512 rows), by part: the "
+            "whole update; the same with its launch taking no time (the backend's "
+            "Python); the store kernel's JIT launch, binder and compiled launch:",
+            "",
+            "| KV | " + " | ".join(parts) + " |",
+            "|---" * (1 + len(parts)) + "|",
+        ]
+        for preset, us in store.items():
+            out.append(
+                f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -469,6 +555,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     prof = io.StringIO() if args.cprofile else None
     launch = {p: launch_breakdown(p, device) for p in args.presets}
+    store = {p: store_breakdown(p, device) for p in args.presets}
     rows = []
     for step in args.steps:
         rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
@@ -481,10 +568,11 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows, launch)
+    md = markdown(name, rows, launch, store)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     payload = json.dumps(
-        dict(device=name, steps=STEPS, rows=rows, launch=launch), indent=1
+        dict(device=name, steps=STEPS, rows=rows, launch=launch, store=store),
+        indent=1,
     )
     text = md + (f"\n## cProfile\n```\n{prof.getvalue()}```\n" if prof else "")
     # As the e2e harness writes its results: each file whole or not at all.
