@@ -450,6 +450,18 @@ def _step_text(step: dict) -> str:
     return " + ".join(parts)
 
 
+def _parts_table(title: str, by_preset: dict) -> list[str]:
+    """A "by part" table: a row of µs per preset, a column per part."""
+    parts = list(next(iter(by_preset.values())))
+    out = ["", title, "", "| KV | " + " | ".join(parts) + " |"]
+    out.append("|---" * (1 + len(parts)) + "|")
+    for preset, us in by_preset.items():
+        out.append(
+            f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
+        )
+    return out
+
+
 def markdown(
     device_name: str,
     rows: list[dict],
@@ -496,33 +508,16 @@ def markdown(
                 f"| {h['cut']:.1f} |"
             )
     if launch:
-        parts = list(next(iter(launch.values())))
-        out += [
-            "",
-            "Host µs of one stage 1 launch (16 decode rows), by part:",
-            "",
-            "| KV | " + " | ".join(parts) + " |",
-            "|---" * (1 + len(parts)) + "|",
-        ]
-        for preset, us in launch.items():
-            out.append(
-                f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
-            )
+        out += _parts_table(
+            "Host µs of one stage 1 launch (16 decode rows), by part:", launch
+        )
     if store:
-        parts = list(next(iter(store.values())))
-        out += [
-            "",
+        out += _parts_table(
             "Host µs of the cache update of a decode step (512 rows), by part: the "
             "whole update; the same with its launch taking no time (the backend's "
             "Python); the store kernel's JIT launch, binder and compiled launch:",
-            "",
-            "| KV | " + " | ".join(parts) + " |",
-            "|---" * (1 + len(parts)) + "|",
-        ]
-        for preset, us in store.items():
-            out.append(
-                f"| {preset} | " + " | ".join(f"{v:.1f}" for v in us.values()) + " |"
-            )
+            store,
+        )
     return "\n".join(out) + "\n"
 
 
