@@ -141,31 +141,3 @@ def test_the_table_shows_what_the_builders_halves_save(bench):
     ]
     md = bench.markdown("H200", rows)
     assert "| turboquant_k8v4 | 285 (243) | 256 (212) | 53 | 38.1 |" in md
-
-
-@pytest.mark.parametrize(
-    "preset, kernel",
-    [
-        ("turboquant_4bit_nc", "_tq_store_mse_hadamard"),
-        ("turboquant_k8v4", "_tq_store_fp8_strided"),
-    ],
-)
-def test_the_store_breakdown_captures_the_one_launch_and_can_skip_it(
-    bench, preset, kernel
-):
-    """The cache update's "by part" table times the backend's Python with the
-    store's launch captured and not run, then that launch alone: the capture
-    holds the kernel the backend launches, its grid, and nothing was stored."""
-    cam, num_pages = bench._step_metadata(3, 40, 0, 0, torch.device("cpu"))
-    impl, layer, cache = bench._tq_layer(preset, num_pages, torch.device("cpu"))
-    k = torch.randn(3, bench.HK, bench.D, dtype=torch.bfloat16)
-
-    def update():
-        impl.do_kv_cache_update(layer, k, k, cache, cam.slot_mapping)
-
-    got = bench.captured_store_launch(update, run=False)
-    assert got["kernel"].fn.__name__ == kernel
-    assert got["grid"] == (3 * bench.HK,)
-    assert not cache.any()
-    md = bench.markdown("H100", [], None, {preset: dict(update=111.0, binder=9.5)})
-    assert f"| {preset} | 111.0 | 9.5 |" in md
