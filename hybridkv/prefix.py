@@ -83,7 +83,10 @@ def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, out
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     if interpret:
         env["HYBRIDKV_TRITON_INTERPRET"] = "1"
+    # Hypothesis's pytest plugin costs 0.8 s of imports a process, ~40 processes a
+    # run; its @given tests run without it.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "no:hypothesispytest",
            "-p", "hybridkv.testing.pytest_plugin", *tests, *extra]
     print(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
           file=out or sys.stdout, flush=True)
