@@ -338,8 +338,6 @@ def launch_breakdown(preset: str, device) -> dict:
     """Host µs of one Gluon stage 1 launch, by part: Triton's JIT launch, its
     argument binder, its cache key, and a launch of the compiled kernel that
     skips both (the arguments captured from a decode step of 16 rows)."""
-    from triton.runtime.jit import compute_cache_key
-
     from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
 
     captured = {}
@@ -358,11 +356,18 @@ def launch_breakdown(preset: str, device) -> dict:
     finally:
         gluon._launch = old
     torch.cuda.synchronize()
-    kernel, grid = captured["kernel"], captured["grid"]
-    args, kw = captured["args"], dict(captured["constexprs"])
+    kw = dict(captured["constexprs"])
     kw["num_warps"] = kw["W"]
-    dev = torch.cuda.current_device()
-    _, key_cache, _, _, binder = kernel.device_caches[dev]
+    return launch_by_part(captured["kernel"], captured["grid"], captured["args"], kw)
+
+
+def launch_by_part(kernel, grid, args, kw) -> dict:
+    """Host µs of one launch of a JIT ``kernel`` with these arguments, by part:
+    Triton's JIT launch, its argument binder, its cache key, and a launch of
+    the compiled kernel that skips both."""
+    from triton.runtime.jit import compute_cache_key
+
+    _, key_cache, _, _, binder = kernel.device_caches[torch.cuda.current_device()]
     compiled = kernel[grid](*args, **kw)
     bound, spec, options = binder(*args, **kw)
     direct = compiled[grid]
@@ -408,9 +413,9 @@ def captured_store_launch(update, run: bool) -> dict:
 def store_breakdown(preset: str, device) -> dict:
     """Host µs of the cache update of an eager decode step (512 rows), by
     part: the backend's whole ``do_kv_cache_update``; the same with its one
-    launch taking no time (the backend's Python alone); the store kernel's JIT
-    launch, its argument binder, and a launch of the compiled kernel that
-    skips the binder (the arguments captured from that update)."""
+    launch taking no time (the backend's Python alone); the store kernel's
+    launch by part (``launch_by_part``, the arguments captured from that
+    update)."""
     cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
     impl, layer, cache = _tq_layer(preset, num_pages, device)
     n = cam.num_actual_tokens
@@ -425,19 +430,9 @@ def store_breakdown(preset: str, device) -> dict:
         lambda: captured_store_launch(update, run=False), 100
     )[0]
     torch.cuda.synchronize()
-    kernel, grid, args, kw = c["kernel"], c["grid"], c["args"], c["kw"]
-    binder = kernel.device_caches[torch.cuda.current_device()][4]
-    bound, _, _ = binder(*args, **kw)
-    direct = kernel[grid](*args, **kw)[grid]
-    values = list(bound.values())
-    parts = dict(
-        update=update,
-        jit_launch=lambda: kernel[grid](*args, **kw),
-        binder=lambda: binder(*args, **kw),
-        compiled_launch=lambda: direct(*values),
-    )
-    us = {name: host_and_gpu_us(fn, 100)[0] for name, fn in parts.items()}
-    return dict(update=us.pop("update"), python_only=python_only, **us)
+    whole = host_and_gpu_us(update, 100)[0]
+    parts = launch_by_part(c["kernel"], c["grid"], c["args"], c["kw"])
+    return dict(update=whole, python_only=python_only, **parts)
 
 
 def _step_text(step: dict) -> str:
@@ -515,7 +510,7 @@ def markdown(
         out += _parts_table(
             "Host µs of the cache update of a decode step (512 rows), by part: the "
             "whole update; the same with its launch taking no time (the backend's "
-            "Python); the store kernel's JIT launch, binder and compiled launch:",
+            "Python); the store kernel's launch by part:",
             store,
         )
     return "\n".join(out) + "\n"
