@@ -37,6 +37,7 @@ a decode step (the backend's Python, the store kernel's launch by part).
 """
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
@@ -255,6 +256,36 @@ def halves_saving(impl, layer, q, k, v, cache, meta, out) -> dict:
     return ab
 
 
+def hot_spots(fn, calls: int, top: int = 25) -> str:
+    """``fn``'s functions by own host time (cProfile), µs per call of ``fn``,
+    and the torch ops it runs, by own host time (torch.profiler)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])
+    lines = ["own µs | total µs | calls | function"]
+    for (path, line, name), (_, n, own, total, _) in rows[:top]:
+        where = f"{Path(path).name}:{line}({name})" if line else name
+        lines.append(
+            f"{own / calls * 1e6:6.1f} | {total / calls * 1e6:6.1f} "
+            f"| {n / calls:4.1f} | {where}"
+        )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    ops = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    lines.append("torch op | own µs | calls")
+    for e in ops[:15]:
+        lines.append(
+            f"{e.key} | {e.self_cpu_time_total / calls:.1f} | {e.count / calls:.1f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def measure_turboquant(preset, step, device, profile_out=None) -> dict:
     cam, num_pages = _step_metadata(**STEPS[step], device=device)
     impl, layer, cache = _tq_layer(preset, num_pages, device)
@@ -282,16 +313,9 @@ def measure_turboquant(preset, step, device, profile_out=None) -> dict:
     if meta.mixed_parts is not None:
         row["halves"] = halves_saving(impl, layer, q, k, v, cache, meta, out)
     if profile_out is not None:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(CALLS):
-            forward()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("tottime").print_stats(25)
-        profile_out.write(f"\n## {preset} {step}: forward x {CALLS}\n{text.getvalue()}")
+        profile_out.write(
+            f"\n## {preset} {step}: forward x {CALLS}\n{hot_spots(forward, CALLS)}"
+        )
     return row
 
 
@@ -370,7 +394,8 @@ def launch_by_part(kernel, grid, args, kw) -> dict:
     _, key_cache, _, _, binder = kernel.device_caches[torch.cuda.current_device()]
     compiled = kernel[grid](*args, **kw)
     bound, spec, options = binder(*args, **kw)
-    direct = compiled[grid]
+    # A compiled kernel's launcher reads all three grid dimensions.
+    direct = compiled[tuple(grid) + (1,) * (3 - len(grid))]
     values = list(bound.values())
     parts = dict(
         jit_launch=lambda: kernel[grid](*args, **kw),
@@ -435,6 +460,47 @@ def store_breakdown(preset: str, device) -> dict:
     return dict(update=whole, python_only=python_only, **parts)
 
 
+@contextlib.contextmanager
+def launches_skipped():
+    """Every kernel the backend launches through ``CompiledLaunch`` (patch
+    0026: the store, the rotations, both stage 1s, the merge) returns at
+    once, launching nothing: what is left of a call is its Python and torch
+    ops."""
+    from vllm.triton_utils.compiled_launch import CompiledLaunch
+
+    old = CompiledLaunch.launch
+    CompiledLaunch.launch = lambda self, grid, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        CompiledLaunch.launch = old
+
+
+def forward_breakdown(preset: str, device, profile_out=None) -> dict:
+    """Host µs of an eager decode step's forward (512 rows): the whole call,
+    and the same with its launches skipped (``launches_skipped``); the
+    difference is what its launches cost the host."""
+    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    meta = _tq_builder(8192, device).build(0, cam)
+    n = cam.num_actual_tokens
+    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def forward():
+        impl.forward(layer, q, q, q, cache, meta, output=out)
+
+    whole = host_and_gpu_us(forward)[0]
+    with launches_skipped():
+        python_only = host_and_gpu_us(forward)[0]
+        if profile_out is not None:
+            profile_out.write(
+                f"\n## {preset} decode: forward with its launches skipped x 200"
+                f"\n{hot_spots(forward, 200)}"
+            )
+    return dict(forward=whole, python_only=python_only, launches=whole - python_only)
+
+
 def _step_text(step: dict) -> str:
     """A step's decode rows and first chunks, whichever it has."""
     parts = []
@@ -462,6 +528,7 @@ def markdown(
     rows: list[dict],
     launch: dict | None = None,
     store: dict | None = None,
+    forward: dict | None = None,
 ) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
@@ -513,6 +580,13 @@ def markdown(
             "Python); the store kernel's launch by part:",
             store,
         )
+    if forward:
+        out += _parts_table(
+            "Host µs of the forward of a decode step (512 rows), by part: the "
+            "whole forward; the same with every launch skipped (the backend's "
+            "Python and torch ops); the difference, its launches:",
+            forward,
+        )
     return "\n".join(out) + "\n"
 
 
@@ -546,6 +620,7 @@ def main(argv=None) -> int:
     prof = io.StringIO() if args.cprofile else None
     launch = {p: launch_breakdown(p, device) for p in args.presets}
     store = {p: store_breakdown(p, device) for p in args.presets}
+    forward = {p: forward_breakdown(p, device, prof) for p in args.presets}
     rows = []
     for step in args.steps:
         rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
@@ -558,10 +633,17 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows, launch, store)
+    md = markdown(name, rows, launch, store, forward)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     payload = json.dumps(
-        dict(device=name, steps=STEPS, rows=rows, launch=launch, store=store),
+        dict(
+            device=name,
+            steps=STEPS,
+            rows=rows,
+            launch=launch,
+            store=store,
+            forward=forward,
+        ),
         indent=1,
     )
     text = md + (f"\n## cProfile\n```\n{prof.getvalue()}```\n" if prof else "")

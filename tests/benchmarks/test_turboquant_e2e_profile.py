@@ -504,13 +504,24 @@ def test_max_num_seqs_reaches_every_engine_and_the_table(
     asked, _ = _fake_served(e2e, monkeypatch, tmp_path, repeats)
     monkeypatch.setattr(sys, "argv", [*command.split(), "--out", str(tmp_path)])
     e2e.main()
-    assert [s["max_num_seqs"] for s in asked] == [512, 512]
-    assert "Engines ran at most 512 sequences at once" in capsys.readouterr().out
+    assert [s["max_num_seqs"] for s in asked] == [500, 500]
+    assert "Engines ran at most 500 sequences at once" in capsys.readouterr().out
     (json_file,) = tmp_path.glob("e2e-*.json")
-    assert json.loads(json_file.read_text())["meta"]["max_num_seqs"] == 512
+    assert json.loads(json_file.read_text())["meta"]["max_num_seqs"] == 500
 
 
-@pytest.mark.parametrize("asked, runs", [(None, 500), (512, 512)])
+@pytest.mark.parametrize(
+    "submitted, runs",
+    [(1, 16), (32, 32), (60, 64), (250, 256), (257, 272), (500, 512), (4096, 512)],
+)
+def test_the_default_sequences_sit_on_vllms_capture_grid(e2e, submitted, runs):
+    """Without --max-num-seqs an engine runs what its scenarios submit, at
+    least 16 and at most 512, rounded up to a size vLLM captures a graph for
+    (steps of 8 below 256, 16 from there): a full decode step replays one."""
+    assert e2e.default_max_num_seqs(submitted) == runs
+
+
+@pytest.mark.parametrize("asked, runs", [(None, 512), (500, 500)])
 def test_an_engine_runs_the_sequences_asked_or_its_scenarios_most(
     e2e, monkeypatch, asked, runs
 ):

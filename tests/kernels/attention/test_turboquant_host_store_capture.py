@@ -41,3 +41,29 @@ def test_the_store_breakdown_captures_the_one_launch_and_can_skip_it(
     assert not cache.any()
     md = bench.markdown("H100", [], None, {preset: dict(update=111.0, binder=9.5)})
     assert f"| {preset} | 111.0 | 9.5 |" in md
+
+
+def test_launches_skipped_launches_nothing_and_then_launches_again(
+    bench, triton_device
+):
+    """The forward's "by part" table times the backend with every launch
+    through ``CompiledLaunch`` skipped: inside, the cache update stores
+    nothing; after it, the same update stores."""
+    cam, num_pages = bench._step_metadata(3, 40, 0, 0, torch.device(triton_device))
+    impl, layer, cache = bench._tq_layer(
+        "turboquant_4bit_nc", num_pages, torch.device(triton_device)
+    )
+    k = torch.randn(3, bench.HK, bench.D, dtype=torch.bfloat16, device=triton_device)
+    with bench.launches_skipped():
+        impl.do_kv_cache_update(layer, k, k, cache, cam.slot_mapping)
+    assert not cache.any()
+    impl.do_kv_cache_update(layer, k, k, cache, cam.slot_mapping)
+    assert cache.any()
+    md = bench.markdown(
+        "H100",
+        [],
+        None,
+        None,
+        {"turboquant_4bit_nc": dict(forward=180.0, launches=60.0)},
+    )
+    assert "| turboquant_4bit_nc | 180.0 | 60.0 |" in md
