@@ -267,11 +267,11 @@ def default_max_num_seqs(submitted: int) -> int:
     """Sequences an engine runs at once unless --max-num-seqs says: the most a
     scenario submits (at least 16, at most 512, fewer CUDA graphs to capture
     than vLLM's default 1,024 on a large GPU), rounded up to vLLM's default
-    capture grid (steps of 8 below 256 rows, 16 from there). vLLM captures FULL
-    decode graphs for no more rows than this, so with 500 the largest holds
-    496 and every 500-row decode step runs attention outside a graph, where a
-    user's engine at vLLM's default replays the 512-row one (release 45:
-    4bit_nc high-load 0.81x against 1.05x)."""
+    capture grid (steps of 8 below 256 rows, 16 from there), so a decode step
+    of every sequence replays a grid-sized FULL graph as at vLLM's default.
+    Off the grid, vLLM 0.20.2 keeps FULL decode graphs only up to the grid's
+    size below (500 sequences: 496) unless patch 0030 captures the width
+    itself; --max-num-seqs 500 measures that case."""
     n = min(max(16, submitted), 512)
     step = 8 if n < 256 else 16
     return -(-n // step) * step
