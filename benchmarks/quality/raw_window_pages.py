@@ -38,25 +38,22 @@ def _specs(layers, kv_heads, head_dim, preset, window, block_sizes=None):
 
     slot = TurboQuantConfig.from_cache_dtype(preset, head_dim).slot_size_aligned
     tq_block, raw_block = block_sizes or (BLOCK, BLOCK)
+    # What a layer's K and V are, whichever cache holds them.
+    heads = dict(
+        num_kv_heads=kv_heads,
+        head_size=head_dim,
+        head_size_v=head_dim,
+        dtype=torch.bfloat16,
+    )
     specs = {}
     for i in range(layers):
         name = f"model.layers.{i}.self_attn.attn"
         specs[name] = TQFullAttentionSpec(
-            block_size=tq_block,
-            num_kv_heads=kv_heads,
-            head_size=head_dim,
-            head_size_v=head_dim,
-            dtype=torch.bfloat16,
-            tq_slot_size=slot,
+            block_size=tq_block, tq_slot_size=slot, **heads
         )
         if window:
             specs[name + "_raw"] = SlidingWindowSpec(
-                block_size=raw_block,
-                num_kv_heads=kv_heads,
-                head_size=head_dim,
-                head_size_v=head_dim,
-                dtype=torch.bfloat16,
-                sliding_window=window,
+                block_size=raw_block, sliding_window=window, **heads
             )
     return specs
 
