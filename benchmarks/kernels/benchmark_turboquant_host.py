@@ -29,9 +29,12 @@ against the same metadata without the builder's decode and prefill halves
 rounds interleaved (``paired_host_us``), because host time read in separate
 processes differs by up to half on one machine.
 
-It also takes two calls apart: one stage 1 launch, and the cache update of
-a decode step (the backend's Python, the store kernel's launch by part).
-``--cprofile`` prints where the TurboQuant forward's host time goes.
+It also takes three calls apart: one stage 1 launch; the cache update of a
+decode step (the backend's Python, the store kernel's launch by part); and
+the forward of a decode step (its Python and torch ops, with every launch
+skipped, and its launches). ``--cprofile`` prints where the TurboQuant
+forward's host time goes, in µs per forward: by function (cProfile), and by
+torch op; for a decode step also with its launches skipped.
 
     python benchmarks/kernels/benchmark_turboquant_host.py
 """
