@@ -44,9 +44,11 @@ beside resolve "$py" -m pytest -q -p no:cacheprovider --basetemp="$scratch/resol
 # Each patch at its place: link farms of the pristine wheel, PYTHONPATH-only; the last
 # patch's place is the wheel tested below. Two at a time: once the steps in line end,
 # this one ran alone on one core for 4 of the script's 13 minutes.
-beside prefix "$VENV/bin/hybridkv" prefix-test --skip-full --jobs 2
+# The steps beside the ones in line take one thread each: with torch's default of one per
+# core, four processes ran eight on two cores.
+beside prefix env OMP_NUM_THREADS=1 "$VENV/bin/hybridkv" prefix-test --skip-full --jobs 2
 # Its own process: the interpreter must be chosen before Triton and vLLM load.
-beside kernels env HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
+beside kernels env HYBRIDKV_TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
 
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
 "$VENV/bin/hybridkv" lint
