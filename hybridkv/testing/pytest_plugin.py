@@ -144,6 +144,9 @@ def _setup(config) -> None:
             )
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        from hybridkv.testing import triton_interpreter
+
+        triton_interpreter.install()
 
     redirect_dir = getattr(opts, "model_redirect_dir", None)
     if redirect_dir:
