@@ -41,7 +41,9 @@ imported), which hides any GPU: the run is then a CPU run. Tests ask for it
 with the ``triton_interpret`` fixture or marker (skipped, with the reason, when
 the interpreter is not active) or the ``triton_device`` fixture ("cuda" on a
 GPU, "cpu" under the interpreter, else skipped). Use fp32 under the
-interpreter (bf16 gives wrong results/NaN there) and small shapes.
+interpreter (bf16 gives wrong results/NaN there) and small shapes. The plugin
+also has the interpreter patch triton.language once a launch
+(``hybridkv.testing.triton_interpreter``).
 """
 
 import importlib.abc
