@@ -88,6 +88,31 @@ def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeyp
     assert most[0] == 2
 
 
+def test_places_with_kernel_tests_start_first(series, monkeypatch):
+    """The interpreter makes a place with kernel tests the longest; started in
+    series order, 0027's and 0028's ran alone at the end of CI's run."""
+    started, lock = [], threading.Lock()
+
+    def at_its_place(series_, n, tests, extra, out):
+        with lock:
+            started.append(n)
+        return 0
+
+    monkeypatch.setattr(prefix, "_at_its_place", at_its_place)
+    only = ["0001", "0002", "0016", "0017"]
+    kernel_places = {
+        n
+        for n, p in enumerate(series.patches, 1)
+        if any(k in p.name for k in only)
+        and any(t.startswith("tests/kernels/") for t in p.listed("Tests"))
+    }
+    assert len(kernel_places) == 2  # 0016's and 0017's
+    rc = prefix.run(series, only, [], log=lambda *a, **k: None, jobs=2)
+    assert rc == 0
+    assert set(started[:2]) == kernel_places, started
+    assert len(started) == 4
+
+
 def test_a_patch_that_matches_nothing_is_named_not_passed(series, monkeypatch):
     """`hybridkv prefix-test 9999` ran nothing and printed that every patch's
     tests pass."""
