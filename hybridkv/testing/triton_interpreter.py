@@ -7,8 +7,8 @@ Triton 3.6's interpreter patches ``triton.language`` for the interpreter
 launch starts, and restores it when the launch ends. It walks again at every
 call of a ``@triton.jit`` device function, inside a launch that has already
 patched the same modules with the same builtins. A kernel that calls device
-functions in each of its programs walks thousands of times a launch; in the
-kernel tests those walks are about a fifth of the time.
+functions in each of its programs walks thousands of times a launch: without
+them the kernel tests (tests/kernels) run in three quarters of the time.
 
 ``install()`` makes a device function's call skip the walk when the launch it
 runs in has already patched every language module the function sees; any other
