@@ -172,6 +172,46 @@ def test_mtp_padding_weighs_groups_by_the_blocks_a_request_holds(
     assert f"{100 * report.padding_fraction_full_load:.2f}% with the cache full" in text
 
 
+# The engines' "GPU KV cache size" for the Qwen3.6-27B shape at max_model_len
+# 8,848 (the e2e harness's shared-prefix lane), prefix caching off and on in
+# align mode, on two H200s of one host (benchmarks/releases/release-47.md).
+QWEN36_SHARED_PREFIX_KV_TOKENS = {
+    "auto": (1_005_268, 901_275),
+    "turboquant_4bit_nc": (2_894_279, 2_170_709),
+}
+
+
+@pytest.mark.parametrize("kv", sorted(QWEN36_SHARED_PREFIX_KV_TOKENS))
+def test_prefix_caching_costs_the_27b_what_its_engines_lost(qwen36, kv):
+    """Align mode holds two GDN states a request where prefix caching off
+    holds one. At 8,848 tokens a 4bit_nc request needs 6 attention blocks of
+    1,568 tokens, so its blocks go from 6 + 3 to 6 + 6 and a quarter of the
+    KV tokens go (bf16: 23 + 3 to 23 + 6, a tenth). The plan's share equals
+    the engines' to 0.01 %; their budgets differ from this one."""
+
+    def kv_tokens(**kw):
+        report = plan(
+            capacity.CapacityRequest(
+                model=qwen36,
+                max_model_len=8848,
+                kv_cache_dtype=kv,
+                language_model_only=True,
+                kv_cache_memory_bytes=60 * 10**9,
+                **kw,
+            )
+        )
+        held = sorted(
+            g["blocks_per_request"] for g in report.groups if g["type"] == "MambaSpec"
+        )
+        return report.kv_tokens, held
+
+    off, held_off = kv_tokens()
+    on, held_on = kv_tokens(enable_prefix_caching=True, mamba_cache_mode="align")
+    assert (held_off, held_on) == ([1, 1, 1], [2, 2, 2])
+    engine_off, engine_on = QWEN36_SHARED_PREFIX_KV_TOKENS[kv]
+    assert on / off == pytest.approx(engine_on / engine_off, abs=1e-4)
+
+
 def test_mode_all_falls_back_to_align_with_a_warning(tiny):
     every = plan(
         tiny_request(
