@@ -92,10 +92,14 @@ def test_places_with_kernel_tests_start_first(series, monkeypatch):
     """The interpreter makes a place with kernel tests the longest; started in
     series order, 0027's and 0028's ran alone at the end of CI's run."""
     started, lock = [], threading.Lock()
+    # Both workers hold their place until the other has started one: the first
+    # two started are the first two the pool was given.
+    both = threading.Barrier(2, timeout=30)
 
     def at_its_place(series_, n, tests, extra, out):
         with lock:
             started.append(n)
+        both.wait()
         return 0
 
     monkeypatch.setattr(prefix, "_at_its_place", at_its_place)
