@@ -26,6 +26,10 @@ from hybridkv.series import Series
 INTERPRETED = ("tests/kernels/",)
 
 
+def _interpreted(test: str) -> bool:
+    return test.startswith(INTERPRETED)
+
+
 def prefix_tree(series: Series, n: int, dest: Path) -> Path:
     """Pristine vLLM with the first ``n`` patches of ``series`` applied, at ``dest``."""
     src = pristine_wheel_dir()
@@ -99,8 +103,8 @@ def _at_its_place(series: Series, n: int, tests: list[str], extra: list[str],
     """Patch ``n``'s ``tests`` on pristine vLLM with patches 1..n; its return code."""
     with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:
         tree = prefix_tree(series, n, Path(tmp))
-        plain = [t for t in tests if not t.startswith(INTERPRETED)]
-        kernels = [t for t in tests if t.startswith(INTERPRETED)]
+        plain = [t for t in tests if not _interpreted(t)]
+        kernels = [t for t in tests if _interpreted(t)]
         rc = 0
         for group, interpret in ((plain, False), (kernels, True)):
             if group:
@@ -153,7 +157,7 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
     # and one of them started last would run alone at the end of the run.
     def interpreted_first(entry):
         n, _, tests = entry
-        return (not any(t.startswith(INTERPRETED) for t in tests), n)
+        return (not any(map(_interpreted, tests)), n)
 
     failed = []
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
