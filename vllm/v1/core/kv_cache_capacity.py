@@ -80,6 +80,7 @@ ENGINE_REFUSALS = (ValueError, AssertionError, NotImplementedError)
 PAGE_UNIFY = "vllm.v1.core.kv_cache_page_unify"
 PAGE_PLANNER = "vllm.v1.core.kv_cache_page_planner"
 LAYER_POLICY = "vllm.model_executor.layers.quantization.turboquant.layer_policy"
+RAW_WINDOW = "vllm.model_executor.layers.quantization.turboquant.raw_window"
 PER_LAYER_CONFIG = "vllm.transformers_utils.per_layer_config"
 
 # The hybridkv series' engine modules that change planning (0001, 0004, 0005,
@@ -1022,6 +1023,35 @@ def all_layers(vllm_config: Any) -> list[LayerGeometry]:
     return layers
 
 
+def raw_window_twins(
+    vllm_config: Any, layers: list[LayerGeometry]
+) -> list[LayerGeometry]:
+    """The model-dtype sliding-window twins ``recent:W`` gives the main
+    model's TurboQuant layers (``turboquant.raw_window``), named as the
+    engine names them."""
+    raw_window = engine_module(RAW_WINDOW)
+    if raw_window is None:
+        return []
+    skip = vllm_config.cache_config.kv_cache_dtype_skip_layers
+    window = engine_module(LAYER_POLICY).recent_window(skip)
+    if not window:
+        return []
+    raw_window.check_config(vllm_config, window)
+    return [
+        LayerGeometry(
+            raw_window.twin_name(g.name),
+            "sliding",
+            g.num_kv_heads,
+            g.head_size,
+            window,
+        )  # fmt: skip
+        for g in layers
+        if g.kind == "full"
+        and g.name.startswith("model.layers.")
+        and layer_kv_dtype(vllm_config, g, pristine=False).startswith("turboquant_")
+    ]
+
+
 def _pristine_layer_dtype(
     name: str, window: int | None, dtype: str, skip: list[str]
 ) -> str:
@@ -1701,6 +1731,9 @@ def plan_capacity(req: CapacityRequest) -> CapacityReport:
         )
         report.mamba_cache_mode = cache_config.mamba_cache_mode
         layers = all_layers(vllm_config)
+        if not pristine:
+            with _engine_step("the raw windows' twin layers"):
+                layers += raw_window_twins(vllm_config, layers)
         report.warnings += check_options_take_effect(req, vllm_config, layers)
         with _engine_step("block size for the hybrid page layout"):
             plan_block_size(vllm_config, layers, pristine)

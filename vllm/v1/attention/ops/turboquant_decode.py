@@ -198,6 +198,7 @@ def decode_attention(
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
     value_rotation: bool = False,
+    raw_window=None,
 ) -> torch.Tensor:
     """Decode attention over a packed TurboQuant cache: [B, Hq, D].
 
@@ -309,6 +310,11 @@ def decode_attention(
         if table is None:
             gluon = None
     held = scratch_splits(mid_o_buf, B, Hq, D)
+    if raw_window is not None:
+        # One slot of the scratch is the window's.
+        held = max(held - 1, 0)
+        window_lens = seq_lens
+        seq_lens = (seq_lens - raw_window.size).clamp_(min=0)
     sms = num_sms(device)
     if gluon is not None and num_splits is None:
         # Split counts beyond the backend's 32 per row come from the spare
@@ -324,13 +330,16 @@ def decode_attention(
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
         num_splits = num_kv_splits(B, Hk, cap, sms)
+    # With a window, stage 1 always writes partials: the merge adds the
+    # window's as split ``num_splits``.
+    if raw_window is not None:
+        num_splits = max(num_splits, 2)
+    slots = num_splits + (raw_window is not None)
     if num_splits > 1:
         if held >= num_splits:
-            mid = scratch_view(mid_o_buf, B, Hq, num_splits, D)
+            mid = scratch_view(mid_o_buf, B, Hq, slots, D)
         else:
-            mid = torch.empty(
-                B, Hq, num_splits, D + 1, dtype=torch.float32, device=device
-            )
+            mid = torch.empty(B, Hq, slots, D + 1, dtype=torch.float32, device=device)
     else:
         mid = out  # not read: stage 1 writes the output
 
@@ -373,10 +382,10 @@ def decode_attention(
             geometry,
             qmu=qmu,
         )
+    if raw_window is not None:
+        raw_window.write_partial(q_in, window_lens, mid, num_splits, scale)
     if num_splits > 1:
-        return triton_stage1.merge(
-            mid, out, num_splits, PiT if value_rotation else None
-        )
+        return triton_stage1.merge(mid, out, slots, PiT if value_rotation else None)
     if value_rotation:
         return triton_stage1.rotate_output_back(out, PiT)
     return out
@@ -402,6 +411,7 @@ def maybe_decode_attention(
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
     value_rotation: bool = False,
+    raw_window=None,
 ) -> torch.Tensor | None:
     """``triton_turboquant_decode_attention``'s call, served here.
 
@@ -415,15 +425,19 @@ def maybe_decode_attention(
     multiplies its query by it first. ``key_offset``: the layer's key offset
     (``turboquant.key_offset``); 0.20.2's kernel cannot read the keys stored
     with one, so a layout it would take is refused; the same for
-    ``value_rotation`` (values stored rotated, ``turboquant.value_rotation``).
+    ``value_rotation`` (values stored rotated, ``turboquant.value_rotation``)
+    and ``raw_window`` (``decode_attention``'s).
     """
     B, Hq, D = query.shape
     stage = envs.VLLM_TURBOQUANT_DECODE
     if stage == "legacy" or not supports(
         D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
     ):
-        if key_offset is not None or value_rotation:
-            if key_offset is not None:
+        if key_offset is not None or value_rotation or raw_window is not None:
+            if raw_window is not None:
+                what = "recent tokens are read from a raw window"
+                other = "without --kv-cache-raw-window"
+            elif key_offset is not None:
                 what = "keys are stored with a key offset"
                 other = "whose keys are not 3-bit"
             else:
@@ -461,4 +475,5 @@ def maybe_decode_attention(
         key_scale=key_scale,
         key_offset=key_offset,
         value_rotation=value_rotation,
+        raw_window=raw_window,
     )

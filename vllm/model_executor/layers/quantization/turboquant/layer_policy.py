@@ -14,7 +14,10 @@ entries are:
 - ``N=PRESET``: main-model attention layer ``N`` stores another TurboQuant
   preset than the run's (``19=turboquant_4bit_nc`` in a
   ``turboquant_3bit_nc`` run): a budget of bits spent where a model's
-  quantization error costs the most.
+  quantization error costs the most;
+- ``recent:W``: every TurboQuant layer of the main model also keeps its
+  ``W`` most recent tokens at the model dtype, and decode steps read them
+  from there (``turboquant.raw_window``).
 
 Policy for TurboQuant (``turboquant_*``), decided once in
 ``resolve_skip_layers`` and applied per layer by ``layer_kv_cache_dtype``:
@@ -57,6 +60,9 @@ SLIDING_WINDOW = "sliding_window"
 DRAFT = "draft"
 BOUNDARY_PREFIX = "boundary:"
 PRESET_SEPARATOR = "="
+RECENT_PREFIX = "recent:"
+# The decode reads a window in one tile of registers per (row, KV head).
+MAX_RECENT_TOKENS = 64
 DEFAULT_BOUNDARY_DENSE = 2
 DEFAULT_BOUNDARY_HYBRID = 0
 
@@ -123,6 +129,21 @@ def boundary_layers(
         return 0, []
     kept = attention_layers[:n] + attention_layers[-n:]
     return n, sorted(set(kept))
+
+
+def recent_window(skip_layers: list[str] | None) -> int:
+    """W of a ``recent:W`` entry (checked by ``resolve_skip_layers``), else 0."""
+    entries = [s for s in skip_layers or [] if s.startswith(RECENT_PREFIX)]
+    if not entries:
+        return 0
+    value = entries[-1][len(RECENT_PREFIX) :]
+    if not value.isdigit() or not 1 <= int(value) <= MAX_RECENT_TOKENS:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers entry {entries[-1]!r}: expected "
+            f"'{RECENT_PREFIX}W' with W a whole number of tokens from 1 to "
+            f"{MAX_RECENT_TOKENS} (e.g. '{RECENT_PREFIX}16')."
+        )
+    return int(value)
 
 
 def _sort_key(entry: str) -> tuple[int, int, str]:
@@ -209,13 +230,14 @@ def resolve_skip_layers(
         if not (
             entry.isdigit()
             or entry in (SLIDING_WINDOW, DRAFT)
-            or entry.startswith(BOUNDARY_PREFIX)
+            or entry.startswith((BOUNDARY_PREFIX, RECENT_PREFIX))
             or PRESET_SEPARATOR in entry
         ):
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
                 f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}', "
-                f"'{BOUNDARY_PREFIX}N' or 'N{PRESET_SEPARATOR}PRESET'."
+                f"'{BOUNDARY_PREFIX}N', 'N{PRESET_SEPARATOR}PRESET' or "
+                f"'{RECENT_PREFIX}W'."
             )
         if entry.isdigit() and int(entry) >= text_config.num_hidden_layers:
             raise ValueError(
@@ -224,6 +246,7 @@ def resolve_skip_layers(
                 f"(indices 0-{text_config.num_hidden_layers - 1}), so it would skip "
                 "nothing. Give an index in range."
             )
+    recent_window(skip)
     attention = attention_layer_indices(text_config)
     if not attention:
         raise ValueError(
@@ -281,6 +304,13 @@ def layer_kv_cache_dtype(
     )
     quantized = kv_cache_dtype.startswith("turboquant_")
     presets = layer_presets(skip_layers)
+    if recent_window(skip_layers) and not quantized:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers {RECENT_PREFIX}"
+            f"{recent_window(skip_layers)} keeps a TurboQuant layer's recent tokens "
+            f"at the model dtype, but the KV cache dtype is {kv_cache_dtype!r}. "
+            "Give a --kv-cache-dtype turboquant_* or leave the entry out."
+        )
     if presets and not quantized:
         raise ValueError(
             f"--kv-cache-dtype-skip-layers gives layers {sorted(presets)} their own "
