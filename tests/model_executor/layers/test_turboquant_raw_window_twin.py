@@ -27,15 +27,20 @@ def _layer(cache_dtype: str, *skip: str) -> tuple[Attention, VllmConfig]:
             cache_dtype=cache_dtype, kv_cache_dtype_skip_layers=list(skip)
         )
     )
-    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
-        layer = Attention(
-            num_heads=4,
-            head_size=D,
-            scale=D**-0.5,
-            num_kv_heads=2,
-            cache_config=config.cache_config,
-            prefix=NAME,
-        )
+    # set_default_torch_dtype does not restore the dtype when the body raises.
+    default = torch.get_default_dtype()
+    try:
+        with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
+            layer = Attention(
+                num_heads=4,
+                head_size=D,
+                scale=D**-0.5,
+                num_kv_heads=2,
+                cache_config=config.cache_config,
+                prefix=NAME,
+            )
+    finally:
+        torch.set_default_dtype(default)
     return layer, config
 
 
@@ -77,17 +82,17 @@ def test_the_twin_scores_as_the_decode_does(rotated):
         )
     impl._tq_rotates_values = rotated
     layer = torch.nn.Module()
-    H = torch.ones(1, 1, dtype=torch.float32)
+    H = torch.ones(1, 1)
     while H.shape[0] < D:  # Sylvester's construction, scaled: what the backend uses
         H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
     H = H / D**0.5
     torch.testing.assert_close(H, _build_hadamard(D, "cpu").float(), atol=4e-3, rtol=0)
     layer._tq_PiT = H
-    layer._tq_key_offset = torch.randn(2, D, generator=g, dtype=torch.float32)
-    layer._tq_key_scale = torch.rand(D, generator=g, dtype=torch.float32) + 0.5
-    key = torch.randn(5, 2, D, generator=g, dtype=torch.float32)
-    value = torch.randn(5, 2, D, generator=g, dtype=torch.float32)
-    q = torch.randn(2, D, generator=g, dtype=torch.float32)
+    layer._tq_key_offset = torch.randn(2, D, generator=g)
+    layer._tq_key_scale = torch.rand(D, generator=g) + 0.5
+    key = torch.randn(5, 2, D, generator=g)
+    value = torch.randn(5, 2, D, generator=g)
+    q = torch.randn(2, D, generator=g)
     k_t, v_t = twin_kv(impl, layer, key, value)
     q_in = (q * layer._tq_key_scale) @ H
     scores = torch.einsum("hd,nhd->nh", q_in, k_t)
