@@ -38,9 +38,9 @@ TWIN_PAGE = 8  # another block size than the packed cache's
 SEQ_LENS = [40, 3, 16, 0, 17]
 
 
-def _twin(seq_lens, hk, d, device, seed=3):
-    """A twin cache on shuffled pages: each row's window holds random bf16
-    K/V, every other slot NaN."""
+def _twin(seq_lens, hk, d, device, seed=3, extra=0):
+    """A twin cache on shuffled pages: each row's window (and ``extra``
+    positions before it) holds random bf16 K/V, every other slot NaN."""
     g = torch.Generator().manual_seed(seed)
     pages = [max(math.ceil(n / TWIN_PAGE), 1) for n in seq_lens]
     blocks = sum(pages) + 1
@@ -52,7 +52,7 @@ def _twin(seq_lens, hk, d, device, seed=3):
     for row, n in enumerate(seq_lens):
         table[row, : pages[row]] = order[used : used + pages[row]]
         used += pages[row]
-        for pos in range(max(n - W, 0), n):
+        for pos in range(max(n - W - extra, 0), n):
             b, t = table[row, pos // TWIN_PAGE], pos % TWIN_PAGE
             k[b, t] = torch.randn(hk, d, generator=g) * 0.8
             v[b, t] = torch.randn(hk, d, generator=g)
@@ -150,6 +150,29 @@ def test_the_window_is_one_more_split_of_the_merge(triton_device):
     assert not mid[:, :, 3].isnan().any(), "the window's split slot was not written"
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_verify_rows_read_their_requests_window(hadamard, triton_device):
+    """Speculative verify rows: rows 0-2 are one request's last three
+    positions (lengths 38, 39, 40), row 3 another request's; each row reads
+    its request's row of the twin's block table."""
+    lens = [38, 39, 40, 21]
+    cfg, centroids, pit, cache, table, query, _, _, seq_t = _case(
+        "turboquant_3bit_nc", triton_device, seq_lens=lens
+    )
+    B, Hq, d = query.shape
+    k, v, requests = _twin([40, 21], 2, d, triton_device, extra=2)
+    rows = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=triton_device)
+    window = RawWindow(k, v, requests, W, row_requests=rows)
+    rot = _build_hadamard(d, triton_device) if hadamard else pit
+    out = decode(
+        query, cache, table, seq_t, cfg, centroids, rot, stage="triton",
+        num_splits=2, raw_window=window, hadamard_query=hadamard,
+    )  # fmt: skip
+    q_in = query.cpu().double() @ rot.cpu().double()
+    twin = (k, v, requests[rows.long()])
+    _check(out, _reference(q_in, cache, table, lens, cfg, centroids, twin, d**-0.5))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_gluon_decode_reads_the_window_raw(
     num_splits,
@@ -210,3 +233,58 @@ def test_the_legacy_decode_is_refused(triton_device, monkeypatch):
             cfg.effective_value_quant_bits, norm_correction=cfg.norm_correction,
             raw_window=window,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_window_rides_on_the_query_rotation(offset, triton_device):
+    """``rotate_and_attend`` returns what ``rotate_query`` (with an offset:
+    ``rotate_query_with_offset``) returns, and the packed splits' lengths."""
+    from vllm.v1.attention.ops.triton_turboquant_rotate_query import (
+        rotate_query,
+        rotate_query_with_offset,
+    )
+
+    *_, query, _, window, seq_t = _case("turboquant_3bit_nc", triton_device)
+    B, Hq, d = query.shape
+    had = _build_hadamard(d, triton_device)
+    g = torch.Generator().manual_seed(5)
+    key_scale = (torch.rand(d, generator=g) + 0.5).to(triton_device)
+    key_offset = torch.randn(2, d, generator=g).to(triton_device) if offset else None
+    mid = poisoned((B, Hq, 3, d + 1), triton_device)
+    q_in, qmu, packed = window.rotate_and_attend(
+        query, had, key_scale, key_offset, seq_t, mid, 2, d**-0.5
+    )
+    if offset:
+        ref_q, ref_mu = rotate_query_with_offset(query, had, key_scale, key_offset)
+        torch.testing.assert_close(qmu, ref_mu)
+    else:
+        ref_q, ref_mu = rotate_query(query, had, key_scale), None
+        assert qmu is None
+    torch.testing.assert_close(q_in, ref_q)
+    assert packed.tolist() == [max(n - W, 0) for n in SEQ_LENS]
+    assert mid[:, :, :2].isnan().all(), "only the window's slot is written"
+    assert not mid[:, :, 2].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [256, 512])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_wide_heads_read_the_window_raw_on_the_gpu(d, hadamard, triton_device):
+    """Gemma's head_dim 256 and 512 (twins on TRITON_ATTN at 512), through
+    the rotation's launch and the window's own."""
+    if triton_device != "cuda":
+        pytest.skip("a GPU test")
+    cfg, centroids, pit, cache, table, query, twin, window, seq_t = _case(
+        "turboquant_3bit_nc", "cuda", d=d
+    )
+    rot = _build_hadamard(d, "cuda") if hadamard else pit
+    out = decode(
+        query, cache, table, seq_t, cfg, centroids, rot, num_splits=3,
+        raw_window=window, hadamard_query=hadamard, value_rotation=hadamard,
+    )  # fmt: skip
+    q_in = query.cpu().double() @ rot.cpu().double()
+    ref = _reference(
+        q_in, cache, table, SEQ_LENS, cfg, centroids, twin, d**-0.5,
+        rot=rot if hadamard else None,
+    )  # fmt: skip
+    _check(out, ref)

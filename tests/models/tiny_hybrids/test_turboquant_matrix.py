@@ -36,7 +36,7 @@ def _gapped(*ties):
 
 def test_configs_and_engine_kwargs():
     cfgs = tqm.configs()
-    assert len(cfgs) == 2 * 2 * len(tqm.PRESETS) + 7
+    assert len(cfgs) == 2 * 2 * len(tqm.PRESETS) + 9
     assert len({c.name for c in cfgs}) == len(cfgs)
     for c in cfgs:
         kw = tqm.engine_kwargs(c, CKPTS)

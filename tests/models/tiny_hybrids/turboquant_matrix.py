@@ -156,6 +156,15 @@ def configs() -> list[Config]:
             )
             for spec in ("none", "mtp")
         ),
+        # Recent tokens read raw from a bf16 sliding-window twin per layer
+        # (recent:W): its pages beside GDN and packed pages, its rows per
+        # verify token.
+        *(
+            Config(
+                "qwen3_5_16", "turboquant_3bit_nc", spec, ("boundary:0", "recent:16")
+            )
+            for spec in ("none", "mtp")
+        ),
         Config("qwen3_next", "auto", "draft"),
         Config("qwen3_next", "turboquant_4bit_nc", "draft"),
     ]

@@ -91,11 +91,17 @@ def _config(spec=None, hybrid_manager_off=False):
     )
 
 
-def test_speculation_and_a_unified_cache_are_refused():
+def test_a_unified_cache_is_refused():
     raw_window.check_config(_config(), 16)
-    with pytest.raises(raw_window.RawWindowConfigError, match="speculative decoding"):
-        raw_window.check_config(_config(spec=SimpleNamespace(method="mtp")), 16)
     with pytest.raises(
         raw_window.RawWindowConfigError, match="hybrid KV cache manager is off"
     ):
         raw_window.check_config(_config(hybrid_manager_off=True), 16)
+
+
+def test_speculation_widens_the_twins_window():
+    """With k speculative tokens, asynchronous scheduling counts the last
+    step's k drafts as computed when vLLM frees the twin's blocks."""
+    assert raw_window.twin_window(_config(), 16) == 16
+    spec = SimpleNamespace(method="mtp", num_speculative_tokens=3)
+    assert raw_window.twin_window(_config(spec=spec), 16) == 19

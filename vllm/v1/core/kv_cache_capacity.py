@@ -1043,7 +1043,7 @@ def raw_window_twins(
             "sliding",
             g.num_kv_heads,
             g.head_size,
-            window,
+            raw_window.twin_window(vllm_config, window),
         )  # fmt: skip
         for g in layers
         if g.kind == "full"

@@ -139,6 +139,7 @@ class VerifyRowBuffers:
         self.device = device
         self.seq_lens = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         self.rows = torch.arange(self.capacity, dtype=torch.int32, device=device)
+        self.requests = torch.zeros(self.capacity, dtype=torch.int32, device=device)
         self.block_table: torch.Tensor | None = None
 
     def _block_table_buffer(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -157,11 +158,13 @@ class VerifyRowBuffers:
 
     def expand(
         self, cam: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one row per decode token; return (seq_lens, block_table) views.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write one row per decode token; return (seq_lens, block_table,
+        requests) views.
 
         Token ``t`` of request ``r`` (query ``[s, e)``) gets sequence length
-        ``seq_lens[r] - (e - s) + 1 + (t - s)`` and block-table row ``r``.
+        ``seq_lens[r] - (e - s) + 1 + (t - s)``, block-table row ``r`` and
+        request ``r`` (for another group's block table, e.g. a raw window's).
         Tokens past the last request's query (graph padding) get length 0.
         """
         n = num_decode_tokens
@@ -174,7 +177,7 @@ class VerifyRowBuffers:
         src_bt = cam.block_table_tensor
         bt = self._block_table_buffer(src_bt.shape[1], src_bt.dtype)
         if n == 0 or num_decodes == 0:
-            return self.seq_lens[:0], bt[:0]
+            return self.seq_lens[:0], bt[:0], self.requests[:0]
         qsl = cam.query_start_loc[: num_decodes + 1]
         tokens = self.rows[:n]
         req = torch.searchsorted(qsl[1:], tokens, right=True, out_int32=True)
@@ -185,4 +188,5 @@ class VerifyRowBuffers:
         lens = torch.where(tokens < qsl[num_decodes], lens, 0)
         self.seq_lens[:n].copy_(lens)
         torch.index_select(src_bt, 0, req, out=bt[:n])
-        return self.seq_lens[:n], bt[:n]
+        self.requests[:n].copy_(req)
+        return self.seq_lens[:n], bt[:n], self.requests[:n]

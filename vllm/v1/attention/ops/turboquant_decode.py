@@ -215,6 +215,11 @@ def decode_attention(
     ``PiT``, the backend's scaled Hadamard matrix (``turboquant_store``), so
     the output is rotated back: by the merge where the decode splits, by
     ``rotate_output_back`` at one split.
+    ``raw_window`` (``triton_turboquant_raw_window.RawWindow``): the row's
+    last ``size`` positions are read from the layer's model-dtype twin
+    instead. Its ``rotate_and_attend`` (the query rotated in the same launch)
+    or ``attend`` writes the window as one more split before the merge and
+    returns the packed splits' lengths, ``size`` tokens shorter.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -258,27 +263,13 @@ def decode_attention(
             "TurboQuantConfig.key_packed_size"
         )
 
-    qmu = None
-    if key_fp8:
-        if key_scale is not None or key_offset is not None or value_rotation:
-            raise ValueError(
-                "key_scale, key_offset and value_rotation apply to MSE keys; FP8 "
-                "keys and their values are stored as they are"
-            )
-        q_in = query if query.stride(-1) == 1 else query.contiguous()
-    elif hadamard_query:
-        if key_offset is None:
-            q_in = rotate_query(query, PiT, key_scale)
-        else:
-            check_key_offset(key_offset, Hk, D)
-            q_in, qmu = rotate_query_with_offset(query, PiT, key_scale, key_offset)
-    else:
-        q_f = query.float() if key_scale is None else query.float() * key_scale
-        q_in = q_f @ PiT
-        if key_offset is not None:
-            check_key_offset(key_offset, Hk, D)
-            qmu = (query.float().view(B, Hk, group, D) * key_offset[:, None]).sum(-1)
-            qmu = qmu.view(B, Hq)
+    if key_fp8 and (key_scale is not None or key_offset is not None or value_rotation):
+        raise ValueError(
+            "key_scale, key_offset and value_rotation apply to MSE keys; FP8 "
+            "keys and their values are stored as they are"
+        )
+    if key_offset is not None and not key_fp8:
+        check_key_offset(key_offset, Hk, D)
 
     out_dtype = out_dtype or query.dtype
     if (
@@ -311,10 +302,7 @@ def decode_attention(
             gluon = None
     held = scratch_splits(mid_o_buf, B, Hq, D)
     if raw_window is not None:
-        # One slot of the scratch is the window's.
-        held = max(held - 1, 0)
-        window_lens = seq_lens
-        seq_lens = (seq_lens - raw_window.size).clamp_(min=0)
+        held = max(held - 1, 0)  # one slot of the scratch is the window's
     sms = num_sms(device)
     if gluon is not None and num_splits is None:
         # Split counts beyond the backend's 32 per row come from the spare
@@ -342,6 +330,33 @@ def decode_attention(
             mid = torch.empty(B, Hq, slots, D + 1, dtype=torch.float32, device=device)
     else:
         mid = out  # not read: stage 1 writes the output
+
+    # The query stage 1 reads; with a raw window, the window's partial result
+    # in the split after stage 1's and the packed splits' lengths, from the
+    # rotation's launch where the query is rotated.
+    if raw_window is not None and hadamard_query and not key_fp8:
+        q_in, qmu, seq_lens = raw_window.rotate_and_attend(
+            query, PiT, key_scale, key_offset, seq_lens, mid, num_splits, scale
+        )
+    else:
+        qmu = None
+        if key_fp8:
+            q_in = query if query.stride(-1) == 1 else query.contiguous()
+        elif hadamard_query:
+            if key_offset is None:
+                q_in = rotate_query(query, PiT, key_scale)
+            else:
+                q_in, qmu = rotate_query_with_offset(query, PiT, key_scale, key_offset)
+        else:
+            q_f = query.float() if key_scale is None else query.float() * key_scale
+            q_in = q_f @ PiT
+            if key_offset is not None:
+                qmu = (query.float().view(B, Hk, group, D) * key_offset[:, None]).sum(
+                    -1
+                )
+                qmu = qmu.view(B, Hq)
+        if raw_window is not None:
+            seq_lens = raw_window.attend(q_in, seq_lens, mid, num_splits, scale)
 
     if gluon is not None:
         gluon.stage1(
@@ -382,8 +397,6 @@ def decode_attention(
             geometry,
             qmu=qmu,
         )
-    if raw_window is not None:
-        raw_window.write_partial(q_in, window_lens, mid, num_splits, scale)
     if num_splits > 1:
         return triton_stage1.merge(mid, out, slots, PiT if value_rotation else None)
     if value_rotation:

@@ -21,8 +21,11 @@ value rotated where the layer stores values rotated. Its scores are then in
 the decode's own units, and its output joins the packed splits' in one merge.
 
 Prefill and continuation chunks read earlier chunks packed, as without a
-window. Refused where it cannot be served: speculative decoding (its verify
-rows would need the twin's rows per draft), and engines whose hybrid KV
+window. Speculative verify rows read their own last ``W`` positions, each
+through its request's row of the twin's block table. The twin's sliding
+window is ``W`` plus the speculative tokens: with asynchronous scheduling a
+step is scheduled while the previous step's drafts still count as computed,
+and vLLM frees the twin's blocks by that count. Refused where the hybrid KV
 cache manager is off (a sliding-window layer then gets a full-length cache).
 """
 
@@ -55,21 +58,20 @@ class RawWindowConfigError(ValueError):
 
 def check_config(vllm_config: Any, window: int) -> None:
     """Refuse ``recent:W`` where the twin cannot be served (module doc)."""
-    entry = f"{RECENT_PREFIX}{window}"
-    if vllm_config.speculative_config is not None:
-        raise RawWindowConfigError(
-            f"--kv-cache-dtype-skip-layers {entry}: speculative decoding is on "
-            f"({vllm_config.speculative_config.method}), and its verify rows do not "
-            "read the raw window. Leave the entry out, or turn speculative "
-            "decoding off."
-        )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise RawWindowConfigError(
-            f"--kv-cache-dtype-skip-layers {entry}: the hybrid KV cache manager is "
-            "off (--disable-hybrid-kv-cache-manager, or a KV connector turned it "
-            "off), so each layer's window would get a full-length cache at the "
-            "model dtype. Leave the entry out, or keep the hybrid manager on."
+            f"--kv-cache-dtype-skip-layers {RECENT_PREFIX}{window}: the hybrid KV "
+            "cache manager is off (--disable-hybrid-kv-cache-manager, or a KV "
+            "connector turned it off), so each layer's window would get a "
+            "full-length cache at the model dtype. Leave the entry out, or keep "
+            "the hybrid manager on."
         )
+
+
+def twin_window(vllm_config: Any, window: int) -> int:
+    """The twin's sliding window: ``W`` and the speculative tokens (module doc)."""
+    spec = vllm_config.speculative_config
+    return window + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
 
 
 def twin_name(layer_name: str) -> str:
@@ -107,7 +109,7 @@ def build_twin(
         num_kv_heads,
         cache_config=None,  # the model dtype, outside the TurboQuant policy
         quant_config=None,
-        per_layer_sliding_window=window,
+        per_layer_sliding_window=twin_window(vllm_config, window),
         prefix=twin_name(prefix),
     )
     twin.recent_tokens = window
@@ -165,13 +167,17 @@ def _kv_dim(twin: Any) -> int:
     return list(shape).index(2)
 
 
-def decode_window(layer: Any) -> RawWindow | None:
+def decode_window(
+    layer: Any, row_requests: torch.Tensor | None = None
+) -> RawWindow | None:
     """The raw window a decode of ``layer`` reads, or None (no twin, or a
-    profile run). Decode rows come first in a step and row ``i`` is request
-    ``i``, so the twin's own block table serves them as it is."""
+    profile run). Decode rows come first in a step: without speculation row
+    ``i`` is request ``i``; verify rows name theirs (``row_requests``)."""
     ctx = _twin_context(layer)
     if ctx is None:
         return None
     twin, meta, kv_cache, _ = ctx
     key_cache, value_cache = kv_cache.unbind(_kv_dim(twin))
-    return RawWindow(key_cache, value_cache, meta.block_table, twin.recent_tokens)
+    return RawWindow(
+        key_cache, value_cache, meta.block_table, twin.recent_tokens, row_requests
+    )
