@@ -51,6 +51,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tests.models.tiny_hybrids.ports import PORT_BASE_ENV, lane_base
 from tests.models.tiny_hybrids.scheduling import run_grouped
 from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause, same_or_tie
 
@@ -388,8 +389,9 @@ def lanes_for(
 
 
 def run_lanes(lanes: list[Lane], outdir: Path, deadline: float, t0: float) -> None:
-    for lane in lanes:
+    for index, lane in enumerate(lanes):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(lane.gpu), PYTHONUNBUFFERED="1")
+        env[PORT_BASE_ENV] = lane_base(index)
         lane.log = outdir / f"{lane.name}.log"
         lane.started = time.time()
         with open(lane.log, "w") as log:

@@ -843,6 +843,9 @@ def child_env(
         # Many engines compile at once on 16 cores: keep Inductor's pools small.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
     env["HYBRIDKV_MATRIX_NUM_SPEC"] = str(num_spec)
+    from .ports import child_port_env
+
+    env.update(child_port_env())
     env["HF_HUB_OFFLINE"] = "1"
     repo = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpoints as ck
+from .ports import child_port_env
 from .scheduling import run_grouped
 from .spec_decode_matrix import near_tie
 
@@ -287,7 +288,9 @@ def run_one(
             timeout=timeout,
             # Engine core in the child's own process, so that its exit
             # (_CHILD) leaves no engine process behind on the GPU.
-            env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+            env=dict(
+                os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **child_port_env()
+            ),
         )
         log, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
