@@ -28,7 +28,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.compiled_launch import launcher
-from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
+from vllm.v1.attention.ops.triton_turboquant_rotate_query import _rotated_query_row
 
 _LOG2E = 1.4426950408889634
 
@@ -96,13 +96,10 @@ def _tq_rotate_and_window(
     head = tl.program_id(0) % HQ
     kv_head = head // GROUP
     offs = tl.arange(0, D)
-    x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
-    if HAS_KEY_OFFSET:
-        mu = tl.load(KeyOffset_ptr + kv_head * D + offs)
-        tl.store(QMu_ptr + row * HQ + head, tl.sum(x * mu, axis=0))
-    if HAS_KEY_SCALE:
-        x = x * tl.load(KeyScale_ptr + offs)
-    y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
+    y = _rotated_query_row(
+        Q_ptr, PiT_ptr, KeyScale_ptr, KeyOffset_ptr, QMu_ptr, row, head, stride_qb,
+        stride_qh, HQ, GROUP, D, LOG2_D, HAS_KEY_SCALE, HAS_KEY_OFFSET,
+    )  # fmt: skip
     tl.store(Qin_ptr + row * stride_ob + head * stride_oh + offs, y)
 
     seq_len = tl.load(Seq_lens_ptr + row)

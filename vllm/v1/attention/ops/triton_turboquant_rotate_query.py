@@ -21,6 +21,36 @@ from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
 
 
 @triton.jit
+def _rotated_query_row(
+    Q_ptr,
+    PiT_ptr,
+    KeyScale_ptr,
+    KeyOffset_ptr,
+    QMu_ptr,
+    row,
+    head,
+    stride_qb,
+    stride_qh,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    HAS_KEY_SCALE: tl.constexpr,
+    HAS_KEY_OFFSET: tl.constexpr,
+):
+    """Query head ``head`` of ``row`` rotated (``_tq_rotate_query``'s
+    arguments): [D] fp32; stores ``q . key_offset`` first (HAS_KEY_OFFSET)."""
+    offs = tl.arange(0, D)
+    x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
+    if HAS_KEY_OFFSET:
+        mu = tl.load(KeyOffset_ptr + (head // GROUP) * D + offs)
+        tl.store(QMu_ptr + row * HQ + head, tl.sum(x * mu, axis=0))
+    if HAS_KEY_SCALE:
+        x = x * tl.load(KeyScale_ptr + offs)
+    return _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
+
+
+@triton.jit
 def _tq_rotate_query(
     Q_ptr,  # [B, Hq, D] model dtype, last dim contiguous
     PiT_ptr,  # the backend's scaled Hadamard matrix: only [0, 0] is read
@@ -41,15 +71,11 @@ def _tq_rotate_query(
 ):
     row = tl.program_id(0) // HQ
     head = tl.program_id(0) % HQ
-    offs = tl.arange(0, D)
-    x = tl.load(Q_ptr + row * stride_qb + head * stride_qh + offs).to(tl.float32)
-    if HAS_KEY_OFFSET:
-        mu = tl.load(KeyOffset_ptr + (head // GROUP) * D + offs)
-        tl.store(QMu_ptr + row * HQ + head, tl.sum(x * mu, axis=0))
-    if HAS_KEY_SCALE:
-        x = x * tl.load(KeyScale_ptr + offs)
-    y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
-    tl.store(Out_ptr + row * stride_ob + head * stride_oh + offs, y)
+    y = _rotated_query_row(
+        Q_ptr, PiT_ptr, KeyScale_ptr, KeyOffset_ptr, QMu_ptr, row, head, stride_qb,
+        stride_qh, HQ, GROUP, D, LOG2_D, HAS_KEY_SCALE, HAS_KEY_OFFSET,
+    )  # fmt: skip
+    tl.store(Out_ptr + row * stride_ob + head * stride_oh + tl.arange(0, D), y)
 
 
 def rotate_query(

@@ -167,17 +167,20 @@ def _kv_dim(twin: Any) -> int:
     return list(shape).index(2)
 
 
-def decode_window(
-    layer: Any, row_requests: torch.Tensor | None = None
-) -> RawWindow | None:
-    """The raw window a decode of ``layer`` reads, or None (no twin, or a
-    profile run). Decode rows come first in a step: without speculation row
-    ``i`` is request ``i``; verify rows name theirs (``row_requests``)."""
+def decode_window(layer: Any, attn_metadata: Any) -> RawWindow | None:
+    """The raw window a decode of ``layer`` reads with the TurboQuant
+    metadata ``attn_metadata``, or None (no twin, or a profile run). Decode
+    rows come first in a step: without speculation row ``i`` is request
+    ``i``; verify rows name theirs (``decode_requests``)."""
     ctx = _twin_context(layer)
     if ctx is None:
         return None
     twin, meta, kv_cache, _ = ctx
     key_cache, value_cache = kv_cache.unbind(_kv_dim(twin))
     return RawWindow(
-        key_cache, value_cache, meta.block_table, twin.recent_tokens, row_requests
+        key_cache,
+        value_cache,
+        meta.block_table,
+        twin.recent_tokens,
+        attn_metadata.decode_requests,
     )
