@@ -1032,10 +1032,11 @@ def raw_window_twins(
     raw_window = engine_module(RAW_WINDOW)
     if raw_window is None:
         return []
-    skip = vllm_config.cache_config.kv_cache_dtype_skip_layers
-    window = engine_module(LAYER_POLICY).recent_window(skip)
+    policy = engine_module(LAYER_POLICY)
+    window = policy.recent_window(vllm_config.cache_config.kv_cache_dtype_skip_layers)
     if not window:
         return []
+    main_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
     raw_window.check_config(vllm_config, window)
     return [
         LayerGeometry(
@@ -1047,7 +1048,7 @@ def raw_window_twins(
         )  # fmt: skip
         for g in layers
         if g.kind == "full"
-        and g.name.startswith("model.layers.")
+        and not policy.is_draft_layer(g.name, main_layers)
         and layer_kv_dtype(vllm_config, g, pristine=False).startswith("turboquant_")
     ]
 

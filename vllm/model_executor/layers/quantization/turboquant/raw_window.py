@@ -113,6 +113,7 @@ def build_twin(
         prefix=twin_name(prefix),
     )
     twin.recent_tokens = window
+    twin.kv_dim = _kv_dim(twin)
     return twin
 
 
@@ -176,7 +177,7 @@ def decode_window(layer: Any, attn_metadata: Any) -> RawWindow | None:
     if ctx is None:
         return None
     twin, meta, kv_cache, _ = ctx
-    key_cache, value_cache = kv_cache.unbind(_kv_dim(twin))
+    key_cache, value_cache = kv_cache.unbind(twin.kv_dim)
     return RawWindow(
         key_cache,
         value_cache,
