@@ -22,8 +22,11 @@ the store kernel (a decode step and a prefill chunk) against bf16's
 ``reshape_and_cache_flash``, and, with ``--sweep`` (default in --quick), the
 new kernel's launch geometry (tile, warps, key dimensions per dot, split
 count) on two cases and, with ``--splits`` (default in --quick), the default
-stage 1 at other split counts on three. Caches hold real packed slots
-(the store kernel on random K/V, tiled over the cache); pages are shuffled.
+stage 1 at other split counts on three. With ``--raw-window W`` (patch
+0031), the decode as served is timed again with a W-token raw window (a
+random bf16 twin) and its time and host time are put against the served
+decode's. Caches hold real packed slots (the store kernel on random K/V,
+tiled over the cache); pages are shuffled.
 
 Writes kernels-<time>.json and .md to --out DIR, else $OUT, else
 benchmarks/runs/ (git-ignored; release summaries go to benchmarks/releases/).
@@ -389,6 +392,23 @@ def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
     return extras
 
 
+def raw_window_of(batch: int, context: int, hk: int, D: int, size: int):
+    """A ``size``-token raw window over a random bf16 twin (pages of
+    ``PAGE``): each row's consecutive pages map to pages of its own, enough
+    for a window's span. None on a vLLM without patch 0031."""
+    try:
+        from vllm.v1.attention.ops.triton_turboquant_raw_window import RawWindow
+    except ImportError:
+        return None
+    per_row = -(-size // PAGE) + 1
+    twin = torch.randn(batch * per_row, PAGE, hk, D, device="cuda")
+    twin = twin.to(torch.bfloat16)
+    logical = torch.arange(-(-context // PAGE), device="cuda", dtype=torch.int32)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+    table = rows * per_row + logical[None, :] % per_row
+    return RawWindow(twin, twin, table, size)
+
+
 def tq_decode_runner(
     q, cache, block_table, seq_lens, cfg, centroids, pit, scale, new, **offset
 ):
@@ -537,7 +557,7 @@ def guarded(timer, log, what, run):
         return None, None
 
 
-def bench_decode(cases, presets, timer, bw, rows, log):
+def bench_decode(cases, presets, timer, bw, rows, log, raw_window: int = 0):
     for label, hq, hk, D, B, ctx in cases:
         num_blocks, bt, seq_lens = paged_layout(B, ctx)
         scale = D**-0.5
@@ -601,7 +621,7 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     key_offset=torch.randn(hk, D, device="cuda"),
                 )  # fmt: skip
                 _, offset_us = guarded(timer, log, f"offset {label} {preset}", shifted)
-            served_us = None
+            served_us = served_host_us = None
             extras = served_extras(cfg, hq, hk, D)
             if new is not None and "value_rotation" in extras:
                 # As the backend calls it: the key offset and rotated values
@@ -610,6 +630,22 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     q, cache, bt, seq_lens, cfg, centroids, pit, scale, True, **extras
                 )
                 _, served_us = guarded(timer, log, f"served {label} {preset}", served)
+                served_host_us = timer.host_us if served_us is not None else None
+            window_us = window_host_us = None
+            window = raw_window_of(B, ctx, hk, D, raw_window) if raw_window else None
+            if new is not None and window is not None:
+                # As served, with the twin's last positions read raw.
+                windowed = tq_decode_runner(
+                    q, cache, bt, seq_lens, cfg, centroids, pit, scale, True,
+                    raw_window=window, **extras,
+                )  # fmt: skip
+                w_out, window_us = guarded(
+                    timer, log, f"window {label} {preset}", windowed
+                )
+                window_host_us = timer.host_us if window_us is not None else None
+                if w_out is not None and not w_out.isfinite().all():
+                    log(f"  window {label} {preset}: FAILED, non-finite output")
+                    window_us = window_host_us = None
             check_rows = sorted({0, B - 1})
             errs = {
                 name: None
@@ -639,6 +675,13 @@ def bench_decode(cases, presets, timer, bw, rows, log):
                     new_host_us=new_host_us,
                     offset_us=offset_us,
                     served_us=served_us,
+                    served_host_us=served_host_us,
+                    window_us=window_us,
+                    window_host_us=window_host_us,
+                    # What the window is put against: the decode as served
+                    # (k8v4 takes no extras: the plain decode).
+                    window_base_us=served_us or new_us,
+                    window_base_host_us=served_host_us or new_host_us,
                     stage1=stage1_of(new),
                     fa_us=fa_us,
                     fa_host_us=fa_host_us,
@@ -934,6 +977,12 @@ def fmt_row(r, bw):
             if r.get("served_us") and new
             else ""
         )
+        + (
+            f" | with a raw window {fmt_us(r['window_us'])} "
+            f"({r['window_us'] / r['window_base_us']:.3f}x)"
+            if r.get("window_us") and r.get("window_base_us")
+            else ""
+        )
     )
 
 
@@ -1044,6 +1093,26 @@ def markdown(meta, rows, bw):
                 f"{r['served_us'] / r['new_us']:.3f}x | "
                 f"{fmt_pct(pct(r['bytes'], r['served_us'], bw))} |"
             )
+    window_rows = [r for r in rows if r["kind"] == "decode" and r.get("window_us")]
+    if window_rows:
+        out += [
+            "",
+            f"The decode as served with a raw window of {meta.get('raw_window')} tokens"
+            " (patch 0031: the last positions read from a bf16 twin), against the"
+            " same decode without one (k8v4: the plain decode):",
+            "",
+            *table_head("case", "batch x context", "KV", "without µs", "with µs",
+                        "ratio", "host µs without", "host µs with"),
+        ]  # fmt: skip
+        for r in window_rows:
+            base = r["window_base_us"]
+            out.append(
+                f"| {r['case']} {r['heads']} | {r['batch']} x {r['context']} | "
+                f"{r['kv']} | {fmt_us(base)} | {fmt_us(r['window_us'])} | "
+                f"{r['window_us'] / base:.3f}x | "
+                f"{fmt_us(r.get('window_base_host_us'))} | "
+                f"{fmt_us(r.get('window_host_us'))} |"
+            )
     fa_rows = [r for r in rows if r["kind"] == "decode" and r["kv"].startswith("bf16")]
     out += ["", "FA bf16 (% of copy bandwidth on its own bytes):", ""]
     for r in fa_rows:
@@ -1129,7 +1198,13 @@ def run_all(args, timer, bw, rows, log):
         "| old | new | FA | ratios"
     )
     bench_decode(
-        QUICK_CASES if args.quick else CASES, args.presets, timer, bw, rows, log
+        QUICK_CASES if args.quick else CASES,
+        args.presets,
+        timer,
+        bw,
+        rows,
+        log,
+        args.raw_window,
     )
     for r in rows:
         if r["kv"].startswith("bf16"):
@@ -1168,6 +1243,27 @@ def check_iters(ap: argparse.ArgumentParser, iters: int | None, quick: bool) -> 
     return iters
 
 
+def check_raw_window(ap: argparse.ArgumentParser, size: int) -> None:
+    """``--raw-window``: 0 (off) or a window the engine would build."""
+    if size == 0:
+        return
+    try:
+        from vllm.model_executor.layers.quantization.turboquant.layer_policy import (
+            MAX_RECENT_TOKENS,
+        )
+    except ImportError:
+        ap.error(
+            f"--raw-window {size}: this vLLM has no raw window (patch 0031); "
+            "install the hybridkv wheel or leave the option out"
+        )
+    if not 1 <= size <= MAX_RECENT_TOKENS:
+        ap.error(
+            f"--raw-window {size}: a window is 1 to {MAX_RECENT_TOKENS} tokens, "
+            "as --kv-cache-dtype-skip-layers recent:W takes; pass one in that "
+            "range, or 0 for none"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1191,9 +1287,17 @@ def main():
         "--no-sweep", action="store_true", help="skip the sweeps (both) in --quick"
     )
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument(
+        "--raw-window",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also time each decode as served with a W-token raw window (0031)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
     args = ap.parse_args()
     iters = check_iters(ap, args.iters, args.quick)
+    check_raw_window(ap, args.raw_window)
     packed_slots()  # before the GPU check: a broken import shows on any host
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -1217,6 +1321,7 @@ def main():
         quick=args.quick,
         iters=iters,
         copy_bandwidth_gbs=bw / 1e9,
+        raw_window=args.raw_window,
     )
     print(
         f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s (read+write); "

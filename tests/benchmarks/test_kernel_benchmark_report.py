@@ -116,6 +116,15 @@ def _run(*args, script="benchmark_turboquant_decode.py"):
         ["--quick"],
         ["--sweep"],
         [
+            "--raw-window",
+            "16",
+            "--no-store",
+            "--presets",
+            "turboquant_k8v4",
+            "turboquant_4bit_nc",
+            "turboquant_3bit_nc",
+        ],
+        [
             "--splits",
             "--no-store",
             "--presets",
@@ -156,6 +165,39 @@ def test_bad_arguments_are_named_before_anything_runs(script, args, named):
     out = _run(*args, script=script)
     assert out.returncode == 2, out.stderr[-2000:]
     assert named in out.stderr
+
+
+@pytest.mark.parametrize(
+    "size, named", [("65", "--raw-window 65: a window is 1 to 64 tokens"),
+                    ("-1", "--raw-window -1: a window is 1 to 64 tokens")]
+)  # fmt: skip
+def test_a_raw_window_the_engine_would_refuse_is_refused_first(size, named):
+    out = _run("--raw-window", size)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr and "recent:W" in out.stderr
+
+
+def test_report_puts_the_window_against_the_decode_as_served():
+    """Rotated 3-bit values: against the served decode; k8v4, which takes no
+    extras, against the plain one; a failed window run leaves no row."""
+    rows = [
+        dict(CASE, kind="decode", kv="3bit_nc", bytes=1.2e8, floor_us=40.0,
+             new_us=120.0, served_us=126.0, window_us=129.78, window_host_us=260.0,
+             window_base_us=126.0, window_base_host_us=200.0),
+        dict(CASE, kind="decode", kv="k8v4", bytes=2.0e8, floor_us=66.0,
+             new_us=100.0, window_us=104.0, window_base_us=100.0),
+        dict(CASE, kind="decode", kv="4bit_nc", bytes=1.4e8, floor_us=46.8,
+             new_us=110.0, window_us=None, window_base_us=110.0),
+    ]  # fmt: skip
+    md = _bench().markdown(dict(META, raw_window=16), rows, BW)
+    assert "with a raw window of 16 tokens" in md
+    assert (
+        "| Qwen3-4B 32/8x128 | 16 x 8192 | 3bit_nc | 126.0 | 129.8 | 1.030x | "
+        "200.0 | 260.0 |" in md
+    )
+    assert "| k8v4 | 100.0 | 104.0 | 1.040x | n/a | n/a |" in md
+    assert "| 4bit_nc | 110.0 |" not in md
+    assert "with a raw window 129.8 (1.030x)" in _bench().fmt_row(rows[0], BW)
 
 
 def test_timer_keeps_the_samples_launched_within_their_sleep():

@@ -109,8 +109,8 @@ def _check(out, ref):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("scratch", [False, True])
 def test_triton_decode_reads_the_window_raw(preset, num_splits, scratch, triton_device):
-    """At one split too (the window then makes two partials and a merge),
-    with the decode's own scratch or the caller's."""
+    """At one split too (stage 1 then weighs the window in), with the
+    decode's own scratch or the caller's."""
     cfg, centroids, pit, cache, table, query, twin, window, seq_t = _case(
         preset, triton_device
     )
@@ -150,6 +150,38 @@ def test_the_window_is_one_more_split_of_the_merge(triton_device):
     assert not mid[:, :, 3].isnan().any(), "the window's split slot was not written"
 
 
+@pytest.mark.parametrize(
+    "preset", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"]
+)
+def test_one_split_weighs_the_window_in_stage_1(preset, triton_device):
+    """At one split stage 1 writes the output with the window weighed in: no
+    partial of its own in the scratch, the window's in slot 1; rotated
+    values are rotated back after it (a merge of forced splits made 512 x 640
+    1.17-1.23x slower)."""
+    cfg, centroids, pit, cache, table, query, twin, window, seq_t = _case(
+        preset, triton_device
+    )
+    B, Hq, d = query.shape
+    rotated = not cfg.key_fp8
+    rot = _build_hadamard(d, triton_device) if rotated else pit
+    mid = poisoned((B, Hq, 4, d + 1), triton_device)
+    out = decode(
+        query, cache, table, seq_t, cfg, centroids, rot, stage="triton",
+        num_splits=1, raw_window=window, mid_o_buf=mid, hadamard_query=rotated,
+        value_rotation=rotated,
+    )  # fmt: skip
+    q_in = query.cpu().double()
+    if rotated:
+        q_in = q_in @ rot.cpu().double()
+    ref = _reference(
+        q_in, cache, table, SEQ_LENS, cfg, centroids, twin, d**-0.5,
+        rot=rot if rotated else None,
+    )  # fmt: skip
+    _check(out, ref)
+    assert mid[:, :, 0].isnan().all(), "stage 1 wrote a partial result"
+    assert not mid[:, :, 1].isnan().any(), "the window's split slot was not written"
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_verify_rows_read_their_requests_window(hadamard, triton_device):
     """Speculative verify rows: rows 0-2 are one request's last three
@@ -179,21 +211,30 @@ def test_gluon_decode_reads_the_window_raw(
     triton_interpret,
     gluon_on_numpy,  # noqa: F811 (the fixture imported above)
 ):
+    """Rotated values; at one split stage 1 weighs the window in and
+    writes no partial of its own."""
     cfg, centroids, _, cache, table, query, twin, window, seq_t = _case(
         "turboquant_4bit_nc", triton_interpret, d=128
     )
-    d = query.shape[-1]
+    B, Hq, d = query.shape
     had = _build_hadamard(d, "cpu")
+    mid = poisoned((B, Hq, 4, d + 1), "cpu")
     out = decode(
         query.half(), cache, table, seq_t, cfg, centroids, had, stage="gluon",
         num_splits=num_splits, raw_window=window, hadamard_query=True,
+        value_rotation=True, mid_o_buf=mid,
     )  # fmt: skip
     assert gluon_on_numpy, "decode_attention did not take the Gluon stage 1"
     q_in = query.half().double() @ had.double()
-    ref = _reference(q_in, cache, table, SEQ_LENS, cfg, centroids, twin, d**-0.5)
+    ref = _reference(
+        q_in, cache, table, SEQ_LENS, cfg, centroids, twin, d**-0.5, rot=had
+    )
     assert not out.isnan().any()
     err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     assert err < 2**-9, err  # the output is rounded to fp16
+    assert not mid[:, :, num_splits].isnan().any(), "the window's slot is empty"
+    if num_splits == 1:
+        assert mid[:, :, 0].isnan().all(), "stage 1 wrote a partial result"
 
 
 @pytest.mark.gpu

@@ -759,7 +759,7 @@ def _stage1(
     Seq_lens_ptr,
     Table_ptr,  # key_table() (MSE keys)
     Out_ptr,  # [B, Hq, D] written when not SPLIT
-    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32 when SPLIT
+    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32 when SPLIT or WINDOW
     QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
@@ -819,6 +819,9 @@ def _stage1(
     # Keys stored shifted by a per-KV-head offset, those stored unshifted
     # marked by their norm's sign bit (``turboquant.key_offset``).
     KEY_OFFSET: gl.constexpr,
+    # One split and a raw window's partial result in split slot 1 of Mid
+    # (``triton_turboquant_raw_window``): weighed in here, not by a merge.
+    WINDOW: gl.constexpr,
 ):
     if PDL:
         # Launched programmatically (programmatic_launch): this grid is
@@ -1185,6 +1188,19 @@ def _stage1(
         phys = (phys + (D - 4 * (1 - par))) % D
     h8 = kv_head * GROUP + o8
     omask = (o8 < GROUP)[None, :, None]
+    if WINDOW and not SPLIT:
+        win = Mid_ptr + row * stride_mb + h8 * stride_mh + num_splits * stride_ms
+        part = gl.load(win[None, :, None] + phys, mask=omask, other=0.0)
+        lse_w = gl.load(win + D, mask=o8 < GROUP, other=float("-inf"))
+        lse = gl.where(l8 > 0.0, m8 + gl.log2(safe_l), float("-inf"))
+        top = gl.maximum(lse, lse_w)
+        ref = gl.where(top > float("-inf"), top, 0.0)
+        w = gl.where(lse > float("-inf"), gl.exp2(lse - ref), 0.0)
+        w_w = gl.where(lse_w > float("-inf"), gl.exp2(lse_w - ref), 0.0)
+        total = gl.where(w + w_w > 0.0, w + w_w, 1.0)
+        out = (out * w[None, :, None] + part * w_w[None, :, None]) / total[
+            None, :, None
+        ]
     if not SPLIT:
         o_ptrs = Out_ptr + row * stride_ob + h8[None, :, None] * stride_oh + phys
         gl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=omask)
@@ -1217,6 +1233,7 @@ def _constexprs(
     pdl: bool,
     shifted: bool = False,
     key_offset: bool = False,
+    window: bool = False,
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
@@ -1254,6 +1271,7 @@ def _constexprs(
             PDL=pdl,
             SHIFTED=shifted,
             KEY_OFFSET=key_offset,
+            WINDOW=window and not split,
             **launch_config(head_dim, key_fp8, word32 or shifted, mse_bits, value_bits),
         )
     )
@@ -1324,12 +1342,15 @@ def stage1(
     value_bits: int = 4,
     key_tails: bool = True,
     qmu: torch.Tensor | None = None,
+    window: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
     (row, KV head) into ``mid``, or with one split the output into ``out``;
     ``triton_turboquant_decode_splitkv.merge`` combines them. ``qmu``
     ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose keys were
-    stored with an offset (``rotate_query_with_offset``)."""
+    stored with an offset (``rotate_query_with_offset``). ``window``: ``mid``'s
+    split slot ``num_splits`` holds a raw window's partial result; with one
+    split stage 1 weighs it into the output."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4; the 4-bit
@@ -1378,6 +1399,7 @@ def stage1(
         programmatic_launch(q_in.device),
         shifted,
         qmu is not None,
+        window,
     )
     # A GPU hands out blocks x first, so with the splits last every (KV head,
     # row)'s first split goes out before any second one. In a batch of short

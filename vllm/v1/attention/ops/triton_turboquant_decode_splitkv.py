@@ -416,6 +416,18 @@ def _score8(
 # The split count and the scratch strides that scale with it are launch
 # arguments, not specialized (as the Gluon stage 1's): one compile serves
 # every batch size.
+@triton.jit
+def _fold_partial(out, lse, part, lse_w):
+    """Two normalized partial results of the same rows ([rows, D]) and
+    their log2-sum-exps ([rows], -inf where empty) weighed into one."""
+    top = tl.maximum(lse, lse_w)
+    ref = tl.where(top > float("-inf"), top, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - ref), 0.0)
+    w_w = tl.where(lse_w > float("-inf"), tl.exp2(lse_w - ref), 0.0)
+    total = tl.where(w + w_w > 0.0, w + w_w, 1.0)
+    return (out * w[:, None] + part * w_w[:, None]) / total[:, None]
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _tq_decode_split_stage1(
     Q_ptr,  # [B, Hq, D] fp32: rotated query (MSE keys) or the query (FP8)
@@ -425,7 +437,7 @@ def _tq_decode_split_stage1(
     Seq_lens_ptr,  # [B] int32
     Centroids_ptr,  # [2**MSE_BITS] fp32
     Out_ptr,  # [B, Hq, D] query dtype, written when not SPLIT
-    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32, when SPLIT
+    Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32, when SPLIT or WINDOW
     QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
@@ -459,6 +471,9 @@ def _tq_decode_split_stage1(
     # Keys stored shifted by a per-KV-head offset, those stored unshifted
     # marked by their norm's sign bit (``turboquant.key_offset``).
     KEY_OFFSET: tl.constexpr,
+    # One split and a raw window's partial result in split slot 1 of Mid
+    # (``triton_turboquant_raw_window``): weighed in here, not by a merge.
+    WINDOW: tl.constexpr,
 ):
     # Splits last in the grid, as the Gluon stage 1's (see its launch).
     kv_head = tl.program_id(0)
@@ -668,6 +683,12 @@ def _tq_decode_split_stage1(
     m8_mask = o8 < GROUP
     safe_l = tl.where(l8 > 0.0, l8, 1.0)
     out = (acc8 + z8[:, None]) / safe_l[:, None]
+    if WINDOW and not SPLIT:
+        win = Mid_ptr + row * stride_mb + h8 * stride_mh + num_splits * stride_ms
+        part = tl.load(win[:, None] + offs_d[None, :], mask=m8_mask[:, None], other=0)
+        lse_w = tl.load(win + HEAD_DIM, mask=m8_mask, other=float("-inf"))
+        lse = tl.where(l8 > 0.0, m8 + tl.log2(safe_l), float("-inf"))
+        out = _fold_partial(out, lse, part, lse_w)
     if not SPLIT:
         o_ptrs = Out_ptr + row * stride_ob + h8[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out_ptr.dtype.element_ty), mask=m8_mask[:, None])
@@ -802,6 +823,7 @@ def stage1_constexprs(
     fp8_e4b15: int,
     word16: bool,
     key_offset: bool = False,
+    window: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of ``_tq_decode_split_stage1`` for a slot
     layout, a page size, a GQA group and a launch geometry (see
@@ -826,6 +848,7 @@ def stage1_constexprs(
         FP8_E4B15=fp8_e4b15 if layout.key_fp8 else 0,
         WORD16=word16,
         KEY_OFFSET=key_offset,
+        WINDOW=window and not split,
     )
 
 
@@ -845,11 +868,14 @@ def stage1(
     norm_correction: bool,
     geometry: tuple[int, ...] | None = None,
     qmu: torch.Tensor | None = None,
+    window: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
     (row, KV head) into ``mid``, or with one split the output into ``out``.
     ``qmu`` ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose
-    keys were stored with an offset (``rotate_query_with_offset``)."""
+    keys were stored with an offset (``rotate_query_with_offset``).
+    ``window``: ``mid``'s split slot ``num_splits`` holds a raw window's
+    partial result; with one split stage 1 weighs it into the output."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
     device = q_in.device
     geometry = tuple(geometry or default_geometry(D, layout.key_fp8))
@@ -882,6 +908,7 @@ def stage1(
             use_fp8_e4b15(device) if layout.key_fp8 else 0,
             word16,
             qmu is not None,
+            window,
         ),
         num_warps=num_warps,
         num_stages=1,

@@ -11,8 +11,9 @@ shifted, scaled and rotated, value rotated; ``raw_window.twin_kv``). Its
 scores are therefore in the stage 1's units: ``q_in . k`` with the query
 stage 1 reads, and the same key-offset shift on every key. This kernel writes
 the window's normalized partial output and log2-sum-exp into one split slot
-of the decode's scratch, so the existing merge weighs it against the packed
-splits, and rotates the sum back where values are stored rotated.
+of the decode's scratch, which the existing merge weighs against the packed
+splits (at one packed split, stage 1 weighs it into its output); the sum is
+rotated back where values are stored rotated.
 
 Where the query is rotated by the backend's Hadamard matrix (the MSE-key
 presets), the window is attended in the rotation's own launch, one program

@@ -218,8 +218,9 @@ def decode_attention(
     ``raw_window`` (``triton_turboquant_raw_window.RawWindow``): the row's
     last ``size`` positions are read from the layer's model-dtype twin
     instead. Its ``rotate_and_attend`` (the query rotated in the same launch)
-    or ``attend`` writes the window as one more split before the merge and
-    returns the packed splits' lengths, ``size`` tokens shorter.
+    or ``attend`` writes the window as one more split, weighed in by the
+    merge (at one split by stage 1), and returns the packed splits' lengths,
+    ``size`` tokens shorter.
 
     The output has the query's dtype unless ``out_dtype`` says otherwise.
     ``mid_o_buf`` ([>=B, >=Hq, S, D + 1] fp32, preallocated for CUDA graphs)
@@ -318,12 +319,11 @@ def decode_attention(
     if num_splits is None:
         cap = min(max_num_kv_splits, held) if held else max_num_kv_splits
         num_splits = num_kv_splits(B, Hk, cap, sms)
-    # With a window, stage 1 always writes partials: the merge adds the
-    # window's as split ``num_splits``.
-    if raw_window is not None:
-        num_splits = max(num_splits, 2)
+    # A window's partial result is split ``num_splits`` of the scratch: the
+    # merge weighs it in, or at one split stage 1 itself (forcing two splits
+    # and a merge made 512 x 640 1.17-1.23x slower, benchmarks/NOTES.md).
     slots = num_splits + (raw_window is not None)
-    if num_splits > 1:
+    if slots > 1:
         if held >= num_splits:
             mid = scratch_view(mid_o_buf, B, Hq, slots, D)
         else:
@@ -378,6 +378,7 @@ def decode_attention(
             value_quant_bits,
             key_tails=False if key_fp8 else gluon.key_tails(centroids),
             qmu=qmu,
+            window=raw_window is not None,
         )
     else:
         triton_stage1.stage1(
@@ -396,6 +397,7 @@ def decode_attention(
             norm_correction,
             geometry,
             qmu=qmu,
+            window=raw_window is not None,
         )
     if num_splits > 1:
         return triton_stage1.merge(mid, out, slots, PiT if value_rotation else None)
