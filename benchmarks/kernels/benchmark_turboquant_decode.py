@@ -392,7 +392,9 @@ def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
     return extras
 
 
-def raw_window_of(batch: int, context: int, hk: int, D: int, size: int):
+def raw_window_of(
+    batch: int, context: int, hk: int, D: int, size: int, device: str = "cuda"
+):
     """A ``size``-token raw window over a random bf16 twin (pages of
     ``PAGE``): each row's consecutive pages map to pages of its own, enough
     for a window's span. None on a vLLM without patch 0031."""
@@ -401,10 +403,10 @@ def raw_window_of(batch: int, context: int, hk: int, D: int, size: int):
     except ImportError:
         return None
     per_row = -(-size // PAGE) + 1
-    twin = torch.randn(batch * per_row, PAGE, hk, D, device="cuda")
+    twin = torch.randn(batch * per_row, PAGE, hk, D, device=device)
     twin = twin.to(torch.bfloat16)
-    logical = torch.arange(-(-context // PAGE), device="cuda", dtype=torch.int32)
-    rows = torch.arange(batch, device="cuda", dtype=torch.int32)[:, None]
+    logical = torch.arange(-(-context // PAGE), device=device, dtype=torch.int32)
+    rows = torch.arange(batch, device=device, dtype=torch.int32)[:, None]
     table = rows * per_row + logical[None, :] % per_row
     return RawWindow(twin, twin, table, size)
 

@@ -200,6 +200,23 @@ def test_report_puts_the_window_against_the_decode_as_served():
     assert "with a raw window 129.8 (1.030x)" in _bench().fmt_row(rows[0], BW)
 
 
+@pytest.mark.parametrize("size, context", [(16, 8192), (16, 640), (64, 1000), (1, 17)])
+def test_the_benchmarks_window_reads_pages_of_its_own_row(size, context):
+    """Every row's last ``size`` positions sit on distinct twin pages that no
+    other row's window reads: the window the GPU times reads real data."""
+    bench = _bench()
+    window = bench.raw_window_of(3, context, 2, 64, size, device="cpu")
+    assert window.size == size and window.key_cache.dtype.is_floating_point
+    seen = {}
+    for row in range(3):
+        pos = range(context - size, context)
+        pages = {window.block_table[row, p // bench.PAGE].item() for p in pos}
+        assert len(pages) == len({p // bench.PAGE for p in pos})
+        for page in pages:
+            assert seen.setdefault(page, row) == row, f"page {page} shared"
+            assert 0 <= page < window.key_cache.shape[0]
+
+
 def test_timer_keeps_the_samples_launched_within_their_sleep():
     # A launch that outlasts the sleep ahead of it leaves the GPU idle inside
     # the timed interval: 1,136 us of "kernel" time where the kernels took 92.
