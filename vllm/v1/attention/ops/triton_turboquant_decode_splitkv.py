@@ -413,9 +413,6 @@ def _score8(
     )
 
 
-# The split count and the scratch strides that scale with it are launch
-# arguments, not specialized (as the Gluon stage 1's): one compile serves
-# every batch size.
 @triton.jit
 def _fold_partial(out, lse, part, lse_w):
     """Two normalized partial results of the same rows ([rows, D]) and
@@ -428,6 +425,9 @@ def _fold_partial(out, lse, part, lse_w):
     return (out * w[:, None] + part * w_w[:, None]) / total[:, None]
 
 
+# The split count and the scratch strides that scale with it are launch
+# arguments, not specialized (as the Gluon stage 1's): one compile serves
+# every batch size.
 @triton.jit(do_not_specialize=["num_splits", "stride_mb", "stride_mh"])
 def _tq_decode_split_stage1(
     Q_ptr,  # [B, Hq, D] fp32: rotated query (MSE keys) or the query (FP8)
