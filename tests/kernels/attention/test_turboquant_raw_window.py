@@ -247,7 +247,12 @@ def test_the_legacy_decode_is_refused(triton_device, monkeypatch):
         "turboquant_4bit_nc", triton_device
     )
     monkeypatch.setattr(tq_decode.envs, "VLLM_TURBOQUANT_DECODE", "legacy")
-    with pytest.raises(ValueError, match="raw window.*VLLM_TURBOQUANT_DECODE=legacy"):
+    # The fix it names is a flag that exists: the skip list's recent:W entry.
+    with pytest.raises(
+        ValueError,
+        match="raw window.*VLLM_TURBOQUANT_DECODE=legacy.*drop the recent:W entry "
+        "from --kv-cache-dtype-skip-layers",
+    ):
         tq_decode.maybe_decode_attention(
             query, cache, table, seq_t, pit.T.contiguous(), centroids,
             query.shape[-1] ** -0.5, cfg.key_mse_bits, cfg.key_packed_size,

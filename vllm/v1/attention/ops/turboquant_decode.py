@@ -451,20 +451,19 @@ def maybe_decode_attention(
         if key_offset is not None or value_rotation or raw_window is not None:
             if raw_window is not None:
                 what = "recent tokens are read from a raw window"
-                other = "without --kv-cache-raw-window"
+                other = "drop the recent:W entry from --kv-cache-dtype-skip-layers"
             elif key_offset is not None:
                 what = "keys are stored with a key offset"
-                other = "whose keys are not 3-bit"
+                other = "serve it with a TurboQuant preset whose keys are not 3-bit"
             else:
                 what = "values are stored rotated"
-                other = "with FP8 keys (turboquant_k8v4)"
+                other = "serve it with FP8 keys (turboquant_k8v4)"
             why = "is switched off" if stage == "legacy" else "does not serve it"
             raise ValueError(
                 f"this layer's {what}, which only the split-KV decode reads; it "
                 f"{why} here (VLLM_TURBOQUANT_DECODE={stage}, head_dim {D}, {Hq} "
                 f"query / {kv_cache.shape[2]} KV heads). Unset "
-                "VLLM_TURBOQUANT_DECODE=legacy before the engine starts, or serve "
-                f"this model with a TurboQuant preset {other}"
+                f"VLLM_TURBOQUANT_DECODE=legacy before the engine starts, or {other}"
             )
         return None
     if not key_fp8 and PiT is None:
