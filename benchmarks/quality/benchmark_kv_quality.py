@@ -7,7 +7,8 @@ real weights (GPU).
     python benchmarks/quality/benchmark_kv_quality.py \\
         --model smollm2_135m=DIR --model gemma3_270m=DIR [--corpus FILE ...] \\
         [--out OUTDIR] [--jobs 6] [--gpus 0,1] [--timeout 420] [--deadline 450] \\
-        [--models NAME ...] [--kv KV ...] [--skip default boundary:0 LIST ...]
+        [--models NAME ...] [--kv KV ...] [--skip default boundary:0 LIST ...] \\
+        [--needles 3] [--needle-sample 0]
 
 The checkpoints are the directories ``tests/models/real_weights/checkpoints.py``
 converts (``python -m tests.models.real_weights.checkpoints OUTDIR --gguf
@@ -43,8 +44,9 @@ Per cell:
    exp(mean NLL over every token after each window's first), and its ratio
    to the same model's auto.
 2. Needle recall: "The secret passcode for the <word> vault is <7 digits>."
-   in a corpus haystack at depths 0.1-0.9, lengths per model (GRIDS), 3
-   needles each; the question in completion form, 12 greedy tokens; a hit
+   in a corpus haystack at depths 0.1-0.9, lengths per model (GRIDS),
+   ``--needles`` (3) each, drawn by a seed per ``--needle-sample``, length and
+   depth; the question in completion form, 12 greedy tokens; a hit
    when the number appears in the answer. Recall % overall and per length,
    with its 95 % Wilson interval, and the cases lost / gained against auto.
 3. Greedy agreement with auto: 16 corpus excerpts (200-1,500 tokens), 64
@@ -355,11 +357,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--ppl-window", type=int, default=3000, help="tokens per window")
     ap.add_argument("--needles", type=int, default=3, help="per length and depth")
     ap.add_argument(
+        "--needle-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="which draw of needle cases (words, numbers, haystack offsets); 0, "
+        "the default, is the one every earlier table used",
+    )
+    ap.add_argument(
         "--kv-cache-gib", type=float, default=3.0, help="KV cache per engine"
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name, low in (("jobs", 1), ("ppl_windows", 1), ("needles", 1)):
+    for name, low in (
+        ("jobs", 1),
+        ("ppl_windows", 1),
+        ("needles", 1),
+        ("needle_sample", 0),
+    ):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be at least {low}")
     if args.needles > len(kvq_inputs.WORDS):
@@ -768,7 +783,13 @@ def build_model_inputs(
     if args.ppl_window + 1 > grid.context:
         raise UsageError(f"--ppl-window {args.ppl_window} exceeds {name}'s context")
     return kvq_inputs.build_inputs(
-        tok, text, grid.lengths, args.ppl_window, args.ppl_windows, args.needles
+        tok,
+        text,
+        grid.lengths,
+        args.ppl_window,
+        args.ppl_windows,
+        args.needles,
+        args.needle_sample,
     )
 
 

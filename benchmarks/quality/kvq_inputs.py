@@ -273,6 +273,12 @@ def insertion_point(ends: Sequence[bool], depth: float) -> int:
     return target if best is None else best
 
 
+def _needle_seed(sample: int, length: int, depth: float) -> str:
+    # Sample 0 keeps the seeds every earlier table was measured with.
+    head = "kv-quality-needle" if sample == 0 else f"kv-quality-needle-{sample}"
+    return f"{head}:{length}:{depth}"
+
+
 def needle_cases(
     corpus: Corpus,
     tok: Any,
@@ -280,18 +286,21 @@ def needle_cases(
     lengths: Iterable[int],
     depths: Iterable[float] = DEPTHS,
     per_cell: int = 3,
+    sample: int = 0,
 ) -> list[NeedleCase]:
     """``per_cell`` cases per (length, depth), each exactly ``length`` tokens.
 
-    Seeded by (length, depth) alone, so a re-run (and the other model, up to
-    its own tokenization) gets the same words, numbers and offsets.
+    Seeded by (``sample``, length, depth) alone, so a re-run (and the other
+    model, up to its own tokenization) gets the same words, numbers and
+    offsets; another ``sample`` draws other ones, a second sample of the
+    same grid.
     """
     if per_cell > len(WORDS):
         raise InputError(f"at most {len(WORDS)} needles per length and depth")
     cases = []
     for length in lengths:
         for depth in depths:
-            rng = random.Random(f"kv-quality-needle:{length}:{depth}")
+            rng = random.Random(_needle_seed(sample, length, depth))
             words = rng.sample(WORDS, per_cell)
             for k, word in enumerate(words):
                 number = _draw_number(rng, corpus.text)
@@ -356,13 +365,16 @@ def build_inputs(
     ppl_window: int,
     max_windows: int,
     needles_per_cell: int,
+    needle_sample: int = 0,
 ) -> dict[str, Any]:
     """Every prompt of one model, JSON-ready: ``prompts`` (what the engine
     gets, token ids) and ``meta`` (what the report keeps)."""
     corpus = tokenize_corpus(tok, text)
     prefix = special_prefix(tok)
     windows = ppl_windows(corpus, prefix, ppl_window, max_windows)
-    cases = needle_cases(corpus, tok, prefix, lengths, DEPTHS, needles_per_cell)
+    cases = needle_cases(
+        corpus, tok, prefix, lengths, DEPTHS, needles_per_cell, needle_sample
+    )
     agree, agree_meta = agreement_prompts(corpus, prefix)
     return {
         "prompts": {
@@ -378,6 +390,7 @@ def build_inputs(
                 "lengths": list(lengths),
                 "depths": list(DEPTHS),
                 "per_length_depth": needles_per_cell,
+                "sample": needle_sample,
                 "cases": [c.meta() for c in cases],
             },
             "agreement": {"prompts": agree_meta},

@@ -69,9 +69,12 @@ def header_line(meta: dict) -> str:
 
 def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
     inputs = model.get("inputs") or {}
-    lengths = [str(n) for n in (inputs.get("needle") or {}).get("lengths", [])]
+    needle = inputs.get("needle") or {}
+    lengths = [str(n) for n in needle.get("lengths", [])]
+    # Results written before --needle-sample existed are sample 0's.
+    sample = needle.get("sample", 0)
+    cases = len(needle.get("cases", []))
     ppl = inputs.get("ppl") or {}
-    cases = len((inputs.get("needle") or {}).get("cases", []))
     agree = len((inputs.get("agreement") or {}).get("prompts", []))
     lines = [
         f"## {name}",
@@ -79,7 +82,7 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         f"Checkpoint `{model.get('dir')}`, max_model_len {model.get('context')}; "
         f"corpus {_int(inputs.get('corpus_tokens'))} tokens. Perplexity over "
         f"{ppl.get('windows', '?')} windows of {ppl.get('window_tokens', '?')} "
-        f"tokens; needle recall over {cases} cases (lengths "
+        f"tokens; needle recall over {cases} cases of sample {sample} (lengths "
         f"{', '.join(lengths)}; depths 0.1-0.9; in brackets its 95 % Wilson "
         "interval; lost / gained: cases auto found and this did not, and the "
         "reverse; answer nats: the number's negative log-likelihood after "

@@ -8,6 +8,7 @@ children's bookkeeping (ok, failed, crash, timeout, deadline) and its refusals
 import json
 import math
 import os
+import random
 import re
 import sys
 from pathlib import Path
@@ -136,6 +137,30 @@ def test_needle_cases_are_deterministic(bench):
         ]
 
     assert build() == build()
+
+
+def test_needle_samples_draw_other_cases_and_sample_0_keeps_the_old_ones(bench):
+    """``--needle-sample``: sample 0's seed is the one every earlier table
+    used (its first case is pinned here), and another sample draws other
+    words, numbers and haystack offsets over the same grid."""
+    inputs = bench.kvq_inputs
+    tok = WordTokenizer()
+    corpus = inputs.tokenize_corpus(tok, _text())
+
+    def cases(sample):
+        return inputs.needle_cases(corpus, tok, [0], (300,), per_cell=2, sample=sample)
+
+    first = cases(0)[0]
+    rng = random.Random("kv-quality-needle:300:0.1")
+    assert first.word == rng.sample(inputs.WORDS, 2)[0]
+    assert [c.meta() for c in cases(0)] == [
+        c.meta() for c in inputs.needle_cases(corpus, tok, [0], (300,), per_cell=2)
+    ]
+    other = cases(1)
+    _check_cases(inputs, tok, corpus, [0], other, (300,), 2)
+    drawn = {(c.word, c.number, c.haystack_offset) for c in other}
+    assert drawn.isdisjoint((c.word, c.number, c.haystack_offset) for c in cases(0))
+    assert [c.meta() for c in other] == [c.meta() for c in cases(1)]
 
 
 def test_needle_cases_with_smollm2_tokenizer(bench):
@@ -389,6 +414,7 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
     assert "1x NVIDIA H200" in md and "vllm 0.20.2+hybridkv.28" in md
     assert "`python benchmarks/quality/benchmark_kv_quality.py --model m=/x`" in md
     assert md.count("## m") == 1
+    assert "needle recall over 4 cases of sample 0 (lengths 1024, 2048;" in md
     lines = md.splitlines()
     head = next(ln for ln in lines if ln.startswith("| KV"))
     assert "| @1024 | @2048 |" in head
@@ -733,6 +759,10 @@ def _exit_code(bench, argv):
         ),
         ("--model smollm2_135m={ck} --corpus {tmp}/text.txt", "no GPU: CUDA_VISIBLE"),
         ("--model smollm2_135m={ck} --kv int4", "invalid choice: 'int4'"),
+        (
+            "--model smollm2_135m={ck} --needle-sample -1",
+            "--needle-sample must be at least 0",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(
