@@ -16,11 +16,13 @@ splits (at one packed split, stage 1 weighs it into its output); the sum is
 rotated back where values are stored rotated.
 
 Where the query is rotated by the backend's Hadamard matrix (the MSE-key
-presets), the window is attended in the rotation's own launch, one program
-per (row, query head), so the window adds no launch; FP8 keys (k8v4) and
-other rotations take a launch of their own, one program per (row, KV head)
-for all of the head's query heads. Either launch also writes the packed
-splits' lengths, ``max(L - W, 0)``.
+presets), the window is attended in the rotation's own launch, so the
+window adds no launch; FP8 keys (k8v4) and other rotations take a launch of
+their own. Either launch runs one program per (row, query head), each
+summing its W products in fp32 (a program per KV head that shared one
+fp32 ``tl.dot`` over its query heads ran a few programs on a few SMs: 1.34x
+a Gemma 4 head_dim-512 4 x 8K k8v4 decode, benchmarks/NOTES.md), and
+writes the packed splits' lengths, ``max(L - W, 0)``.
 """
 
 from dataclasses import dataclass
@@ -49,6 +51,75 @@ def _window_rows(
         BT_ptr + table_row * stride_btb + pos // block_size, mask=live, other=0
     )
     return live, block.to(tl.int64), pos % block_size
+
+
+@triton.jit
+def _window_into_split(
+    y,  # [D] fp32: the query row in stage 1's units
+    K_ptr,
+    V_ptr,
+    BT_ptr,
+    Req_ptr,
+    Seq_lens_ptr,
+    Packed_lens_ptr,
+    Mid_ptr,
+    row,
+    head,
+    split,
+    block_size,
+    sm_scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_btb,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_PAD: tl.constexpr,
+    HAS_REQ: tl.constexpr,
+):
+    """One (row, query head)'s window: its normalized partial output and
+    log2-sum-exp into split ``split`` of the scratch; head 0 also writes
+    the row's packed length."""
+    kv_head = head // GROUP
+    offs = tl.arange(0, D)
+    seq_len = tl.load(Seq_lens_ptr + row)
+    if head == 0:
+        tl.store(Packed_lens_ptr + row, tl.maximum(seq_len - WINDOW, 0))
+    live, block, within = _window_rows(
+        BT_ptr, Req_ptr, row, seq_len, block_size, stride_btb, WINDOW, WINDOW_PAD,
+        HAS_REQ,
+    )  # fmt: skip
+    k = tl.load(
+        (K_ptr + block * stride_kb + within * stride_kt + kv_head * stride_kh)[:, None]
+        + offs[None, :],
+        mask=live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    s = tl.sum(k * y[None, :], axis=1) * sm_scale_log2
+    s = tl.where(live, s, float("-inf"))
+    m = tl.max(s, axis=0)
+    # A row with no live position (CUDA-graph padding) stores lse = -inf,
+    # which the merge weighs 0.
+    ref = tl.where(m > float("-inf"), m, 0.0)
+    p = tl.where(live, tl.exp2(s - ref), 0.0)
+    den = tl.sum(p, axis=0)
+    v = tl.load(
+        (V_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh)[:, None]
+        + offs[None, :],
+        mask=live[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    out = tl.sum(p[:, None] * v, axis=0) / tl.where(den > 0.0, den, 1.0)
+    mid = Mid_ptr + row * stride_mb + head * stride_mh + split * stride_ms
+    tl.store(mid + offs, out)
+    tl.store(mid + D, tl.where(den > 0.0, ref + tl.log2(den), float("-inf")))
 
 
 @triton.jit
@@ -95,50 +166,22 @@ def _tq_rotate_and_window(
 ):
     row = tl.program_id(0) // HQ
     head = tl.program_id(0) % HQ
-    kv_head = head // GROUP
-    offs = tl.arange(0, D)
     y = _rotated_query_row(
         Q_ptr, PiT_ptr, KeyScale_ptr, KeyOffset_ptr, QMu_ptr, row, head, stride_qb,
         stride_qh, HQ, GROUP, D, LOG2_D, HAS_KEY_SCALE, HAS_KEY_OFFSET,
     )  # fmt: skip
-    tl.store(Qin_ptr + row * stride_ob + head * stride_oh + offs, y)
-
-    seq_len = tl.load(Seq_lens_ptr + row)
-    if head == 0:
-        tl.store(Packed_lens_ptr + row, tl.maximum(seq_len - WINDOW, 0))
-    live, block, within = _window_rows(
-        BT_ptr, Req_ptr, row, seq_len, block_size, stride_btb, WINDOW, WINDOW_PAD,
-        HAS_REQ,
+    tl.store(Qin_ptr + row * stride_ob + head * stride_oh + tl.arange(0, D), y)
+    _window_into_split(
+        y, K_ptr, V_ptr, BT_ptr, Req_ptr, Seq_lens_ptr, Packed_lens_ptr, Mid_ptr, row,
+        head, split, block_size, sm_scale_log2, stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh, stride_btb, stride_mb, stride_mh, stride_ms,
+        GROUP, D, WINDOW, WINDOW_PAD, HAS_REQ,
     )  # fmt: skip
-    k = tl.load(
-        (K_ptr + block * stride_kb + within * stride_kt + kv_head * stride_kh)[:, None]
-        + offs[None, :],
-        mask=live[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    s = tl.sum(k * y[None, :], axis=1) * sm_scale_log2
-    s = tl.where(live, s, float("-inf"))
-    m = tl.max(s, axis=0)
-    # A row with no live position (CUDA-graph padding) stores lse = -inf,
-    # which the merge weighs 0.
-    ref = tl.where(m > float("-inf"), m, 0.0)
-    p = tl.where(live, tl.exp2(s - ref), 0.0)
-    den = tl.sum(p, axis=0)
-    v = tl.load(
-        (V_ptr + block * stride_vb + within * stride_vt + kv_head * stride_vh)[:, None]
-        + offs[None, :],
-        mask=live[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    out = tl.sum(p[:, None] * v, axis=0) / tl.where(den > 0.0, den, 1.0)
-    mid = Mid_ptr + row * stride_mb + head * stride_mh + split * stride_ms
-    tl.store(mid + offs, out)
-    tl.store(mid + D, tl.where(den > 0.0, ref + tl.log2(den), float("-inf")))
 
 
 @triton.jit
-def _tq_raw_window_partial(
-    Q_ptr,  # [B, Hq, D], the query stage 1 reads
+def _tq_window(
+    Q_ptr,  # [B, Hq, D], the query stage 1 reads, last dim contiguous
     K_ptr,  # twin keys [blocks, block_size, Hk, D]
     V_ptr,  # twin values, same shape
     BT_ptr,  # [reqs, max_blocks] int32
@@ -161,54 +204,23 @@ def _tq_raw_window_partial(
     stride_mb,
     stride_mh,
     stride_ms,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_PAD: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     HAS_REQ: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens_ptr + row)
-    if kv_head == 0:
-        tl.store(Packed_lens_ptr + row, tl.maximum(seq_len - WINDOW, 0))
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    live, block, within = _window_rows(
-        BT_ptr, Req_ptr, row, seq_len, block_size, stride_btb, WINDOW, WINDOW_PAD,
+    row = tl.program_id(0) // HQ
+    head = tl.program_id(0) % HQ
+    y = tl.load(Q_ptr + row * stride_qb + head * stride_qh + tl.arange(0, D))
+    _window_into_split(
+        y.to(tl.float32), K_ptr, V_ptr, BT_ptr, Req_ptr, Seq_lens_ptr,
+        Packed_lens_ptr, Mid_ptr, row, head, split, block_size, sm_scale_log2,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_btb, stride_mb, stride_mh, stride_ms, GROUP, D, WINDOW, WINDOW_PAD,
         HAS_REQ,
     )  # fmt: skip
-    k_rows = K_ptr + block * stride_kb + within * stride_kt
-    v_rows = V_ptr + block * stride_vb + within * stride_vt
-    k = tl.load(
-        k_rows[:, None] + kv_head * stride_kh + offs_d[None, :],
-        mask=live[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    v = tl.load(
-        v_rows[:, None] + kv_head * stride_vh + offs_d[None, :],
-        mask=live[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    heads = kv_head * GROUP + offs_g
-    head_live = offs_g < GROUP
-    q = tl.load(
-        Q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=head_live[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale_log2
-    s = tl.where(live[None, :], s, float("-inf"))
-    m = tl.max(s, axis=1)
-    ref = tl.where(m > float("-inf"), m, 0.0)
-    p = tl.where(live[None, :], tl.exp2(s - ref[:, None]), 0.0)
-    den = tl.sum(p, axis=1)
-    out = tl.dot(p, v, input_precision="ieee") / tl.where(den > 0.0, den, 1.0)[:, None]
-    lse = tl.where(den > 0.0, ref + tl.log2(den), float("-inf"))
-    mid = Mid_ptr + row * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(mid[:, None] + offs_d[None, :], out, mask=head_live[:, None])
-    tl.store(mid + HEAD_DIM, lse, mask=head_live)
 
 
 @dataclass(frozen=True)
@@ -303,12 +315,13 @@ class RawWindow:
         packed, args, strides = self._args(seq_lens, mid, split, scale)
         if B == 0:
             return packed
-        group = Hq // self.key_cache.shape[2]
-        launcher(_tq_raw_window_partial)[(B, self.key_cache.shape[2])](
+        if q_in.stride(-1) != 1:
+            q_in = q_in.contiguous()
+        launcher(_tq_window)[(B * Hq,)](
             q_in, *args, q_in.stride(0), q_in.stride(1), *strides,
-            WINDOW=self.size, WINDOW_PAD=max(16, triton.next_power_of_2(self.size)),
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=D, HAS_REQ=self.row_requests is not None,
-            num_warps=4 if D <= 128 else 8,
+            HQ=Hq, GROUP=Hq // self.key_cache.shape[2], D=D, WINDOW=self.size,
+            WINDOW_PAD=triton.next_power_of_2(self.size),
+            HAS_REQ=self.row_requests is not None,
+            num_warps=1 if D <= 128 else (2 if D <= 256 else 4),
         )  # fmt: skip
         return packed
