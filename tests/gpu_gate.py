@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The GPU release gate: every GPU check of the series in one device call.
+"""The GPU release gate: every GPU check of the series in one device call,
+or two where one does not hold it (``--lanes`` and ``--combine``).
 
 Five lanes run side by side, each in its own process group, on the GPUs
-there are (two: the matrix alone on the first; one: all on it):
+there are (two: the matrix alone on the first; one: all on it; a call
+without the matrix: kernels and suite on the first of two, see
+``lanes_for``):
 
 * ``spec``: the speculative-decoding matrix's gate cells
   (``spec_decode_matrix --gate``: every model with every speculation method
@@ -25,7 +28,8 @@ there are (two: the matrix alone on the first; one: all on it):
 Engines get fixed KV budgets (no memory-profiling collisions) and compile
 groups (scheduling.py: no side-by-side cold compiles of the same kernels).
 A lane still running at ``--deadline`` is stopped and its unfinished cells
-count as failures: a gate that runs out of time is red, and says so.
+count as failures: a gate that runs out of time is red, and its record says
+which cells the deadline cut (``out_of_time``).
 
     python -m tests.gpu_gate OUTDIR [--deadline S] [--jobs N] [--lanes L,...]
     python -m tests.gpu_gate OUTDIR --combine PART_OUTDIR [PART_OUTDIR ...]
@@ -48,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -363,29 +368,40 @@ def kernel_workers() -> list[str]:
 
 
 def lanes_for(
-    outdir: Path, gpus: int, jobs: int, deadline: float, tqm_only: str | None = None
+    outdir: Path,
+    gpus: int,
+    jobs: int,
+    deadline: float,
+    tqm_only: str | None = None,
+    chosen: Sequence[str] = LANES,
 ) -> list[Lane]:
+    """The ``chosen`` lanes, each on its GPU: with two or more, the matrix
+    alone on the first and the other four on the second; in a call without
+    the matrix (a gate in two calls) kernels and suite take the first, so
+    the tqm engines do not share a GPU with the kernel tests."""
     py = sys.executable
     other = 1 if gpus > 1 else 0
+    first = 0 if "spec" not in chosen else other
     # The matrices stop queuing engines early enough to write their tables.
     spec_deadline = str(int(deadline - 30))
-    return [
+    lanes = [
         Lane("spec", [py, "-m", "tests.models.tiny_hybrids.spec_decode_matrix",
                       str(outdir / "spec"), "--gate", "--jobs", str(jobs),
                       "--deadline", spec_deadline, "--timeout", "300"], 0),
         Lane("kernels", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          *kernel_workers(),
                          f"--junitxml={outdir / 'kernels.xml'}", "tests/kernels"],
-             other),
+             first),
         Lane("tqm", [py, "-m", "tests.models.tiny_hybrids.turboquant_matrix",
                      str(outdir / "tqm.json"), "--workdir", str(outdir / "tqm"),
                      "--jobs", "8", "--deadline", spec_deadline,
                      *(["--only", tqm_only] if tqm_only else [])], other),
         Lane("suite", [py, "-m", "tests.gpu_gate", "--suite-run",
-                       str(outdir / "suite"), "--jobs", str(SUITE_JOBS)], other),
+                       str(outdir / "suite"), "--jobs", str(SUITE_JOBS)], first),
         Lane("serve", [py, "-m", "tests.gpu_gate", "--serve-check",
                        str(outdir / "serve"), "--port", "8731"], other),
     ]  # fmt: skip
+    return [lane for lane in lanes if lane.name in chosen]
 
 
 def run_lanes(lanes: list[Lane], outdir: Path, deadline: float, t0: float) -> None:
@@ -470,6 +486,7 @@ def summary_md(
         ),
         "- cells passed / failed per lane: "
         + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in counts.items()),
+        *out_of_time(rows),
         "",
         "```",
         *format_table(shown_rows(rows)),
@@ -477,6 +494,29 @@ def summary_md(
         "",
     ]
     return "\n".join(out)
+
+
+def out_of_time(rows: list[Row]) -> list[str]:
+    """The record's line for a run the deadline cut short: which cells it
+    left and what to do, since a host slower than the gate's one-call budget
+    cuts cells that did not fail."""
+    cut = [
+        r
+        for r in rows
+        if r.status == "NOT FINISHED" or "NOT RUN (deadline)" in r.root_cause
+    ]
+    if not cut:
+        return []
+    return [
+        f"- out of time: the deadline left {len(cut)} cell(s) not run or not "
+        "finished on this host ("
+        + ", ".join(f"{r.lane} {r.cell}" for r in cut[:4])
+        + (", ..." if len(cut) > 4 else "")
+        + "), and cells running then stop as TIMEOUT; a cut cell is not a "
+        "verdict on it. Run the gate in two calls, `--lanes spec` and then "
+        "`--lanes kernels,tqm,suite,serve`, and `--combine` them (README, GPU "
+        "gate)"
+    ]
 
 
 # Lanes of many pytest cases: their passing cases are one row each in
@@ -628,13 +668,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.outdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    lanes = [
-        lane
-        for lane in lanes_for(
-            args.outdir, gpus, args.jobs, args.deadline, args.tqm_only
-        )
-        if lane.name in chosen
-    ]
+    lanes = lanes_for(
+        args.outdir, gpus, args.jobs, args.deadline, args.tqm_only, chosen
+    )
     print(f"gpu-gate: {gpus} GPU(s), deadline {args.deadline:.0f}s", flush=True)
     if gpus == 1 and not partial:
         print("gpu-gate: one GPU: spec alone took 406 s and the other four "

@@ -97,6 +97,47 @@ def test_a_lane_stopped_at_the_deadline_is_a_failed_row(tmp_path):
     assert "NOT FINISHED" in table[1] and "[10/48]" in table[1]
 
 
+def test_a_run_cut_by_its_deadline_says_so_and_what_to_run(tmp_path):
+    """Release 54's gate on a slower host: cells the deadline did not reach
+    (and a lane stopped at it) are failures, and the record names them as
+    cut, with the two-call gate to run instead; a run without cut cells has
+    no such line."""
+    facts = dict(vllm="0.20.2+hybridkv.54", date="d", device="NVIDIA H200",
+                 torch="2.11.0", triton="3.6.0", transformers="5.17.0")  # fmt: skip
+    cut = [
+        gate.Row("spec", "m.turboquant_4bit_nc.mtp1.NONE", "CRASH(ref+spec)", 0,
+                 "NOT RUN (deadline)"),
+        gate.Row("spec", "m.turboquant_4bit_nc.mtp1.FULL", "CRASH(spec)", 26,
+                 "TIMEOUT after 26s"),
+        gate.Row("suite", "suite (whole lane)", "NOT FINISHED", 432, ""),
+    ]  # fmt: skip
+    ok = [gate.Row("tqm", "a.none", "ok", 3.0)]
+    lanes = [_lane("spec", 1), _lane("suite", "killed")]
+    md = gate.summary_md(ok + cut, facts, lanes, 478, False)
+    assert "— FAIL" in md
+    (line,) = [ln for ln in md.splitlines() if ln.startswith("- out of time")]
+    assert "left 2 cell(s)" in line
+    assert "spec m.turboquant_4bit_nc.mtp1.NONE, suite suite (whole lane)" in line
+    assert "`--lanes spec` and then `--lanes kernels,tqm,suite,serve`" in line
+    assert "out of time" not in gate.summary_md(ok + cut[1:2], facts, lanes, 9, False)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "chosen", "where"),
+    [
+        (2, gate.LANES, dict(spec=0, kernels=1, tqm=1, suite=1, serve=1)),
+        (2, ("spec",), dict(spec=0)),
+        # The second call of a two-call gate: the four lanes take both GPUs.
+        (2, ("kernels", "tqm", "suite", "serve"),
+         dict(kernels=0, tqm=1, suite=0, serve=1)),
+        (1, gate.LANES, dict(spec=0, kernels=0, tqm=0, suite=0, serve=0)),
+    ],
+)  # fmt: skip
+def test_the_lanes_of_a_call_and_their_gpus(tmp_path, gpus, chosen, where):
+    lanes = gate.lanes_for(tmp_path, gpus, 8, 500, chosen=chosen)
+    assert {lane.name: lane.gpu for lane in lanes} == where
+
+
 def test_no_gpu_and_bad_arguments_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gate, "gpu_count", lambda: 0)
     assert gate.main([str(tmp_path)]) == 2
