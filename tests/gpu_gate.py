@@ -381,7 +381,7 @@ def lanes_for(
     the tqm engines do not share a GPU with the kernel tests."""
     py = sys.executable
     other = 1 if gpus > 1 else 0
-    first = 0 if "spec" not in chosen else other
+    tests_gpu = 0 if "spec" not in chosen else other
     # The matrices stop queuing engines early enough to write their tables.
     spec_deadline = str(int(deadline - 30))
     lanes = [
@@ -391,13 +391,13 @@ def lanes_for(
         Lane("kernels", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          *kernel_workers(),
                          f"--junitxml={outdir / 'kernels.xml'}", "tests/kernels"],
-             first),
+             tests_gpu),
         Lane("tqm", [py, "-m", "tests.models.tiny_hybrids.turboquant_matrix",
                      str(outdir / "tqm.json"), "--workdir", str(outdir / "tqm"),
                      "--jobs", "8", "--deadline", spec_deadline,
                      *(["--only", tqm_only] if tqm_only else [])], other),
         Lane("suite", [py, "-m", "tests.gpu_gate", "--suite-run",
-                       str(outdir / "suite"), "--jobs", str(SUITE_JOBS)], first),
+                       str(outdir / "suite"), "--jobs", str(SUITE_JOBS)], tests_gpu),
         Lane("serve", [py, "-m", "tests.gpu_gate", "--serve-check",
                        str(outdir / "serve"), "--port", "8731"], other),
     ]  # fmt: skip
