@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.models.tiny_hybrids.ports import PORT_BASE_ENV, lane_base
-from tests.models.tiny_hybrids.scheduling import run_grouped
+from tests.models.tiny_hybrids.scheduling import NOT_RUN, run_grouped
 from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause, same_or_tie
 
 # GPU-marked tests; tests/kernels runs whole (its float64 checks run natively
@@ -500,11 +500,7 @@ def out_of_time(rows: list[Row]) -> list[str]:
     """The record's line for a run the deadline cut short: which cells it
     left and what to do, since a host slower than the gate's one-call budget
     cuts cells that did not fail."""
-    cut = [
-        r
-        for r in rows
-        if r.status == "NOT FINISHED" or "NOT RUN (deadline)" in r.root_cause
-    ]
+    cut = [r for r in rows if r.status == "NOT FINISHED" or NOT_RUN in r.root_cause]
     if not cut:
         return []
     return [

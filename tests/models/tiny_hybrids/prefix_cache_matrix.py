@@ -946,7 +946,7 @@ def run_engines(
     outdir: Path,
     t0: float,
 ) -> dict[str, dict[str, Any]]:
-    from .scheduling import run_grouped
+    from .scheduling import NOT_RUN, run_grouped
 
     deadline = t0 + args.deadline if args.deadline else None
     done = [0]
@@ -960,7 +960,7 @@ def run_engines(
                 return cell.name, {
                     "rc": "skipped",
                     "wall": 0,
-                    "crash": "NOT RUN (deadline)",
+                    "crash": NOT_RUN,
                 }
             timeout = min(timeout, left)
         num_spec = (SPECS[cell.spec] or {}).get("num_speculative_tokens", 0)

@@ -18,6 +18,10 @@ from typing import TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+# What a matrix records for an engine its deadline left unstarted; the gate
+# reads it back to tell cut cells from failed ones.
+NOT_RUN = "NOT RUN (deadline)"
+
 
 def run_grouped(
     items: Sequence[T],

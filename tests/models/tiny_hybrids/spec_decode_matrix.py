@@ -926,7 +926,7 @@ def run_engines(
     before the rest of its group); engines that cannot start or finish
     before ``--deadline`` (seconds since ``t0``) are recorded as not run /
     timed out, so the table always comes out inside one device call."""
-    from .scheduling import run_grouped
+    from .scheduling import NOT_RUN, run_grouped
 
     done = [0]
     deadline = t0 + args.deadline if args.deadline else None
@@ -938,7 +938,7 @@ def run_engines(
             left = deadline - time.time()
             if left < 20:
                 done[0] += 1
-                return name, {"rc": "skipped", "wall": 0, "crash": "NOT RUN (deadline)"}
+                return name, {"rc": "skipped", "wall": 0, "crash": NOT_RUN}
             timeout = min(timeout, left)
         num_spec = (SPECS[c.spec] or {}).get("num_speculative_tokens", 0)
         env = child_env(

@@ -47,7 +47,7 @@ from typing import Any
 
 from . import checkpoints as ck
 from .ports import child_port_env
-from .scheduling import run_grouped
+from .scheduling import NOT_RUN, run_grouped
 from .spec_decode_matrix import near_tie
 
 PRESETS = (
@@ -274,7 +274,7 @@ def run_one(
         timeout = min(timeout, deadline - time.time())
         if timeout < 20:
             return {"name": cfg.name, "rc": "not run", "seconds": 0,
-                    "log_tail": "NOT RUN (deadline)"}  # fmt: skip
+                    "log_tail": NOT_RUN}  # fmt: skip
     args_file = workdir / f"{cfg.name}.args.json"
     # The references of speculative rows log their logprob gaps (check()).
     args = {"engine": kwargs, "prompts": prompts, "logprobs": cfg.spec == "none"}
