@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=[],
         metavar="ENTRY",
         help="layers kept at the model dtype: layer indices, 'boundary:N' (N "
-        "attention layers at each end), 'draft', 'sliding_window'",
+        "attention layers at each end), 'draft', 'sliding_window'; with a "
+        "TurboQuant dtype also 'N=PRESET' (layer N's own preset), "
+        "'sliding_window=fp8' (sliding-window layers in FP8) and 'recent:W'",
     )
     p.add_argument(
         "--tensor-parallel-size",

@@ -7,6 +7,9 @@ entries are:
 
 - a decimal layer index of the main model (``"63"``);
 - ``sliding_window``: every sliding-window layer;
+- ``sliding_window=fp8``: in a TurboQuant run, every sliding-window layer
+  stores FP8 (e4m3, per-tensor scales as ``--kv-cache-dtype fp8`` takes
+  them) instead of the model dtype;
 - ``draft``: every layer of a speculative drafter (MTP head, EAGLE head or
   separate draft model);
 - ``boundary:N``: TurboQuant's boundary protection, the first ``N`` and last
@@ -36,10 +39,15 @@ Policy for TurboQuant (``turboquant_*``), decided once in
   They use the run's KV dtype unless ``draft`` is listed; a drafter's
   quantization error can only lower the acceptance rate, never change the
   verified output.
-- Sliding-window layers are always kept at the model dtype: TurboQuant has no
+- Sliding-window layers are never TurboQuant layers: TurboQuant has no
   sliding-window kernel and no sliding-window KV spec (a TurboQuant sliding
   layer was sized as an unpacked uint8 cache and attended over all tokens).
-  ``sliding_window`` is added with one log line.
+  They keep the model dtype (``sliding_window`` is added with one log line),
+  or with ``sliding_window=fp8`` store FP8 through the attention backend
+  vLLM picks for an FP8 cache. That halves what they hold, which is most of
+  the cache where few layers are full attention and contexts are short next
+  to the window times the sliding layers (Gemma 3 and 4: 5 of 6 layers slide).
+  A layer index or ``draft`` still keeps a sliding layer at the model dtype.
 
 Every layer's decision is recorded, and the resulting map is logged once,
 compactly, after the model (and drafter) are built.
@@ -57,6 +65,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 SLIDING_WINDOW = "sliding_window"
+# What ``sliding_window=DTYPE`` may give sliding-window layers: the FP8 format
+# FlashAttention reads, under the names --kv-cache-dtype takes for it.
+SLIDING_WINDOW_DTYPES = ("fp8", "fp8_e4m3")
 DRAFT = "draft"
 BOUNDARY_PREFIX = "boundary:"
 PRESET_SEPARATOR = "="
@@ -146,6 +157,49 @@ def recent_window(skip_layers: list[str] | None) -> int:
     return int(value)
 
 
+def sliding_window_dtype(skip_layers: list[str] | None) -> str | None:
+    """DTYPE of a ``sliding_window=DTYPE`` entry (checked by
+    ``resolve_skip_layers``), else None."""
+    prefix = SLIDING_WINDOW + PRESET_SEPARATOR
+    entries = [s for s in skip_layers or [] if s.startswith(prefix)]
+    return entries[-1][len(prefix) :] if entries else None
+
+
+def _check_sliding_window_dtype(skip: list[str], sliding: set[int], model: str) -> None:
+    prefix = SLIDING_WINDOW + PRESET_SEPARATOR
+    entries = [s for s in skip if s.startswith(prefix)]
+    if not entries:
+        return
+    allowed = " or ".join(SLIDING_WINDOW_DTYPES)
+    for entry in entries:
+        if entry[len(prefix) :] not in SLIDING_WINDOW_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers entry {entry!r}: sliding-window "
+                f"layers of a TurboQuant run can store {allowed} (the FP8 cache "
+                "FlashAttention reads) instead of the model dtype; "
+                "TurboQuant itself has no sliding-window kernel. Give "
+                f"'{prefix}fp8', or leave the entry out to keep them at the model "
+                "dtype."
+            )
+    if len(set(entries)) > 1:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers gives sliding-window layers two KV "
+            f"dtypes ({', '.join(sorted(set(entries)))}). Keep one of them."
+        )
+    if SLIDING_WINDOW in skip:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers entries {SLIDING_WINDOW!r} and "
+            f"{entries[-1]!r} give sliding-window layers two KV dtypes (the model "
+            f"dtype, and {entries[-1][len(prefix) :]}). Keep one of them."
+        )
+    if not sliding:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers entry {entries[-1]!r}: model {model!r} "
+            "has no sliding-window layers, so the entry would change nothing. "
+            "Leave it out."
+        )
+
+
 def _sort_key(entry: str) -> tuple[int, int, str]:
     index, _, preset = entry.partition(PRESET_SEPARATOR)
     return (0, int(index), preset) if index.isdigit() else (1, 0, entry)
@@ -175,7 +229,7 @@ def _check_layer_presets(
     seen: dict[int, str] = {}
     for entry in skip:
         index, sep, preset = entry.partition(PRESET_SEPARATOR)
-        if not sep:
+        if not sep or index == SLIDING_WINDOW:
             continue
         if not index.isdigit() or preset not in TQ_PRESETS:
             raise ValueError(
@@ -235,7 +289,8 @@ def resolve_skip_layers(
         ):
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
-                f"expected a layer index, '{SLIDING_WINDOW}', '{DRAFT}', "
+                f"expected a layer index, '{SLIDING_WINDOW}', "
+                f"'{SLIDING_WINDOW}{PRESET_SEPARATOR}fp8', '{DRAFT}', "
                 f"'{BOUNDARY_PREFIX}N', 'N{PRESET_SEPARATOR}PRESET' or "
                 f"'{RECENT_PREFIX}W'."
             )
@@ -255,14 +310,29 @@ def resolve_skip_layers(
             "nothing to quantize. Use --kv-cache-dtype auto."
         )
     n, kept = boundary_layers(skip, attention, model_config.is_hybrid)
-    _check_layer_presets(skip, attention, sliding_layer_indices(text_config), (n, kept))
+    sliding = sliding_layer_indices(text_config)
+    _check_layer_presets(skip, attention, sliding, (n, kept))
+    _check_sliding_window_dtype(skip, sliding, model_config.model)
     merged = set(skip) | {str(i) for i in kept}
-    if has_sliding_window_layers(text_config) and SLIDING_WINDOW not in merged:
+    sliding_dtype = sliding_window_dtype(skip)
+    if sliding and sliding_dtype is not None:
+        logger.info(
+            "TurboQuant has no sliding-window kernel: sliding-window layers store "
+            "%s (%s%s%s).",
+            sliding_dtype,
+            SLIDING_WINDOW,
+            PRESET_SEPARATOR,
+            sliding_dtype,
+        )
+    elif sliding and SLIDING_WINDOW not in merged:
         merged.add(SLIDING_WINDOW)
         logger.info(
             "TurboQuant has no sliding-window kernel: sliding-window layers keep "
-            "the model's KV dtype (%s added to --kv-cache-dtype-skip-layers).",
+            "the model's KV dtype (%s added to --kv-cache-dtype-skip-layers; "
+            "%s%sfp8 stores them in FP8).",
             SLIDING_WINDOW,
+            SLIDING_WINDOW,
+            PRESET_SEPARATOR,
         )
     logger.info(
         "TurboQuant: %d of %d attention layers kept at the model dtype by "
@@ -304,6 +374,15 @@ def layer_kv_cache_dtype(
     )
     quantized = kv_cache_dtype.startswith("turboquant_")
     presets = layer_presets(skip_layers)
+    sliding_dtype = sliding_window_dtype(skip_layers)
+    if sliding_dtype is not None and not quantized:
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers {SLIDING_WINDOW}{PRESET_SEPARATOR}"
+            f"{sliding_dtype} gives a TurboQuant run's sliding-window layers FP8, "
+            f"but the KV cache dtype is {kv_cache_dtype!r}. Give a --kv-cache-dtype "
+            "turboquant_* (or --kv-cache-dtype fp8 for FP8 on every layer), or "
+            "leave the entry out."
+        )
     if recent_window(skip_layers) and not quantized:
         raise ValueError(
             f"--kv-cache-dtype-skip-layers {RECENT_PREFIX}"
@@ -319,25 +398,31 @@ def layer_kv_cache_dtype(
             "--kv-cache-dtype turboquant_* or leave those entries out."
         )
     draft = is_draft_layer(prefix, num_main_layers)
+    index = None if draft else _layer_index(prefix)
     decision = LayerDecision(kv_cache_dtype, "draft layer" if draft else "")
-    if sliding_window is not None and (SLIDING_WINDOW in skip_layers or quantized):
+    if draft and DRAFT in skip_layers:
+        decision = LayerDecision("auto", DRAFT)
+    elif index is not None and str(index) in skip_layers:
+        decision = LayerDecision("auto", f"layer {index} in skip list")
+    elif sliding_window is not None and sliding_dtype is not None:
+        decision = LayerDecision(
+            sliding_dtype, f"{SLIDING_WINDOW}{PRESET_SEPARATOR}{sliding_dtype}"
+        )
+    elif sliding_window is not None and (SLIDING_WINDOW in skip_layers or quantized):
         decision = LayerDecision("auto", SLIDING_WINDOW)
-    elif draft:
-        if DRAFT in skip_layers:
-            decision = LayerDecision("auto", DRAFT)
-    else:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        try:
-            index = extract_layer_index(prefix)
-        except (AssertionError, ValueError):
-            index = None
-        if index is not None and str(index) in skip_layers:
-            decision = LayerDecision("auto", f"layer {index} in skip list")
-        elif index is not None and index in presets:
-            decision = LayerDecision(presets[index], f"layer {index}'s own preset")
+    elif index is not None and index in presets:
+        decision = LayerDecision(presets[index], f"layer {index}'s own preset")
     _DECISIONS[prefix] = decision
     return decision.kv_cache_dtype, decision.reason
+
+
+def _layer_index(prefix: str) -> int | None:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(prefix)
+    except (AssertionError, ValueError):
+        return None
 
 
 def log_kv_cache_dtype_map(vllm_config: "VllmConfig") -> None:

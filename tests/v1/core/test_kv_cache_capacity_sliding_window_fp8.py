@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``vllm kv-capacity`` with ``sliding_window=fp8`` plans what the engine
+builds: Gemma 4 31B's sliding-window layers in FP8 beside TurboQuant full
+layers, the same KV memory holding more tokens; refused where the engine
+refuses it."""
+
+import pytest
+
+from tests.models.tiny_hybrids.shapes import write_full_size_config
+from vllm.v1.core import kv_cache_capacity as capacity
+
+pytestmark = pytest.mark.cpu_test
+
+TQ = "turboquant_3bit_nc"
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    return write_full_size_config("Gemma-4-31B", tmp_path_factory.mktemp("g4"))
+
+
+def plan(model_dir, *skip):
+    report = capacity.plan_capacity(
+        capacity.CapacityRequest(
+            model=str(model_dir),
+            max_model_len=32768,
+            kv_cache_memory_bytes=4 << 30,
+            kv_cache_dtype=TQ,
+            kv_cache_dtype_skip_layers=skip,
+            language_model_only=True,
+        )
+    )
+    print(capacity.format_report(report))
+    return report
+
+
+def test_sliding_layers_planned_in_fp8(gemma4):
+    bf16 = plan(gemma4, "boundary:0")
+    fp8 = plan(gemma4, "boundary:0", "sliding_window=fp8")
+    # The plan itself, not the backend lines: before per-layer backend
+    # routing (0011) Gemma 4's forced TRITON_ATTN refuses TurboQuant layers.
+    assert bf16.error is None and fp8.error is None, fp8.error
+    sliding = bf16.layer_dtypes["auto"]
+    assert fp8.layer_dtypes == {"fp8": sliding, TQ: bf16.layer_dtypes[TQ]}
+    group = next(g for g in fp8.groups if g["type"] == "SlidingWindowSpec")
+    assert group["dtype"] == "torch.uint8"
+    # Half the bytes per sliding token: at 32K the same memory holds more
+    # requests (the full layers' TurboQuant pages do not change).
+    assert fp8.kv_tokens > 1.5 * bf16.kv_tokens
+
+
+def test_refused_where_the_engine_refuses(tmp_path):
+    qwen = write_full_size_config("Qwen3-4B", tmp_path / "q")
+    report = plan(qwen, "sliding_window=fp8")
+    assert report.fails
+    assert "has no sliding-window layers, so the entry would change nothing" in (
+        report.error
+    )
