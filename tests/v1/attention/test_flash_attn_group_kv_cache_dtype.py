@@ -171,7 +171,9 @@ def test_fp8_sliding_layers_beside_turboquant_serve(tmp_path, monkeypatch):
         pytest.skip("needs a GPU")
     from vllm import LLM, SamplingParams
 
+    # collective_rpc sends _layer_dtypes (a function) to the engine process.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     llm = LLM(
         model=str(_tiny_gemma3(tmp_path / "gemma3")),
         skip_tokenizer_init=True,
@@ -180,6 +182,7 @@ def test_fp8_sliding_layers_beside_turboquant_serve(tmp_path, monkeypatch):
         kv_cache_memory_bytes=128 * 2**20,
         gpu_memory_utilization=0.1,
         enforce_eager=True,
+        dtype="bfloat16",
         kv_cache_dtype="turboquant_3bit_nc",
         kv_cache_dtype_skip_layers=["boundary:0", "sliding_window=fp8"],
         seed=0,
