@@ -25,8 +25,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 pytestmark = pytest.mark.cpu_test
 
 
-@pytest.fixture
-def flash_attn(monkeypatch):
+def import_flash_attn(monkeypatch):
+    """vLLM's FlashAttention backend module on a host without vLLM's kernels."""
     for name in ("vllm._C", "vllm._C_stable_libtorch"):
         if name not in sys.modules:
             monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -35,10 +35,16 @@ def flash_attn(monkeypatch):
     return flash_attn
 
 
-def _layer(impl_cls, kv_cache_dtype):
+@pytest.fixture
+def flash_attn(monkeypatch):
+    return import_flash_attn(monkeypatch)
+
+
+def attention_layer(impl_cls, sliding_window, kv_cache_dtype="auto"):
+    """An ``Attention`` layer as a metadata builder reads it, without weights."""
     layer = Attention.__new__(Attention)
     impl = impl_cls.__new__(impl_cls)
-    impl.sliding_window = (511, 0)
+    impl.sliding_window = sliding_window
     object.__setattr__(layer, "impl", impl)
     object.__setattr__(layer, "kv_cache_dtype", kv_cache_dtype)
     return layer
@@ -62,9 +68,11 @@ def _scheduled_dtype(flash_attn, monkeypatch, tmp_path, run_dtype, layer_dtype):
     names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1)]
     context = config.compilation_config.static_forward_context
     for name in names:
-        context[name] = _layer(flash_attn.FlashAttentionImpl, layer_dtype)
+        context[name] = attention_layer(
+            flash_attn.FlashAttentionImpl, (511, 0), layer_dtype
+        )
     other = "model.layers.2.self_attn.attn"
-    context[other] = _layer(flash_attn.FlashAttentionImpl, run_dtype)
+    context[other] = attention_layer(flash_attn.FlashAttentionImpl, (511, 0), run_dtype)
 
     seen = []
 

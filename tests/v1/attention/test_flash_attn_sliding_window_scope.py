@@ -12,33 +12,20 @@ FlashAttention 2 even when the user asked for FA3, so FA3 with TurboQuant
 could not even be tried.
 """
 
-import sys
-import types
-
 import pytest
 
+from tests.v1.attention.test_flash_attn_group_kv_cache_dtype import (
+    attention_layer,
+    import_flash_attn,
+)
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention.attention import Attention
 
 pytestmark = pytest.mark.cpu_test
 
 
 @pytest.fixture
 def flash_attn(monkeypatch):
-    for name in ("vllm._C", "vllm._C_stable_libtorch"):
-        if name not in sys.modules:
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    from vllm.v1.attention.backends import flash_attn
-
-    return flash_attn
-
-
-def _layer(impl_cls, sliding_window):
-    layer = Attention.__new__(Attention)
-    impl = impl_cls.__new__(impl_cls)
-    impl.sliding_window = sliding_window
-    object.__setattr__(layer, "impl", impl)
-    return layer
+    return import_flash_attn(monkeypatch)
 
 
 def test_windows_are_gathered_from_the_builders_group(flash_attn):
@@ -48,9 +35,9 @@ def test_windows_are_gathered_from_the_builders_group(flash_attn):
     sliding = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2)]
     full = ["model.layers.5.self_attn.attn"]
     for name in sliding:
-        context[name] = _layer(fa, (127, 0))
+        context[name] = attention_layer(fa, (127, 0))
     for name in full:
-        context[name] = _layer(fa, None)
+        context[name] = attention_layer(fa, None)
 
     # The sliding group's builder sees one window and may schedule ahead of time.
     configs = flash_attn._get_sliding_window_configs(vllm_config, sliding)
