@@ -57,3 +57,26 @@ def test_refused_where_the_engine_refuses(tmp_path):
     assert "has no sliding-window layers, so the entry would change nothing" in (
         report.error
     )
+
+
+@pytest.mark.parametrize(
+    ("capability", "backend"),
+    [("9.0", "FLASH_ATTN"), ("8.0", "TRITON_ATTN")],
+    ids=["hopper-fa3", "ampere-fa2"],
+)
+def test_fp8_layers_get_the_backend_the_gpu_runs(tmp_path, capability, backend):
+    """An H200 ran Gemma 3's FP8 sliding layers on FLASH_ATTN (FA3 reads an
+    FP8 cache); release 55's plan named TRITON_ATTN, because FlashAttention's
+    checks asked the planning host's CPU platform. FA2 reads no FP8 cache."""
+    qwen = write_full_size_config("Qwen3-4B", tmp_path / "q")
+    report = capacity.plan_capacity(
+        capacity.CapacityRequest(
+            model=str(qwen),
+            max_model_len=8192,
+            kv_cache_memory_bytes=4 << 30,
+            kv_cache_dtype="fp8",
+            device_capability=capability,
+        )
+    )
+    assert not report.fails, report.error or report.backend_errors
+    assert set(report.attention_backends.values()) == {backend}

@@ -1240,35 +1240,75 @@ def attention_backends(
     chosen: dict[str, str] = {}
     failed: dict[str, str] = {}
     mm_prefix_kinds = mm_prefix_layer_kinds(model_config)
-    for layer in layers:
-        if layer.kind == "mamba":
-            continue
-        dtype = layer_kv_dtype(vllm_config, layer, pristine)
-        kind = f"{layer.kind} attention, head_size {layer.head_size}, KV {dtype}"
-        if kind in chosen or kind in failed:
-            continue
-        selector = AttentionSelectorConfig(
-            head_size=layer.head_size,
-            dtype=model_config.dtype,
-            kv_cache_dtype=dtype,
-            block_size=block_size,
-            use_mm_prefix=model_config.is_mm_prefix_lm
-            and (mm_prefix_kinds is None or layer.kind in mm_prefix_kinds),
-            attn_type=AttentionType.DECODER,
-        )
-        try:
-            # As at model build: backends read the config being built (e.g.
-            # FlashAttention's kernel block sizes for a given block size).
-            with set_current_vllm_config(vllm_config):
-                path = cuda.get_attn_backend_cls(
-                    vllm_config.attention_config.backend, selector
-                )
-        except ValueError as e:
-            failed[kind] = str(e)
-            continue
-        backend = importlib.import_module(path.rpartition(".")[0])
-        chosen[kind] = getattr(backend, path.rpartition(".")[2]).get_name()
+    with _flash_attn_on(cuda()):
+        for layer in layers:
+            if layer.kind == "mamba":
+                continue
+            dtype = layer_kv_dtype(vllm_config, layer, pristine)
+            kind = f"{layer.kind} attention, head_size {layer.head_size}, KV {dtype}"
+            if kind in chosen or kind in failed:
+                continue
+            selector = AttentionSelectorConfig(
+                head_size=layer.head_size,
+                dtype=model_config.dtype,
+                kv_cache_dtype=dtype,
+                block_size=block_size,
+                use_mm_prefix=model_config.is_mm_prefix_lm
+                and (mm_prefix_kinds is None or layer.kind in mm_prefix_kinds),
+                attn_type=AttentionType.DECODER,
+            )
+            try:
+                # As at model build: backends read the config being built (e.g.
+                # FlashAttention's kernel block sizes for a given block size).
+                with set_current_vllm_config(vllm_config):
+                    path = cuda.get_attn_backend_cls(
+                        vllm_config.attention_config.backend, selector
+                    )
+            except ValueError as e:
+                failed[kind] = str(e)
+                continue
+            backend = importlib.import_module(path.rpartition(".")[0])
+            chosen[kind] = getattr(backend, path.rpartition(".")[2]).get_name()
     return chosen, failed
+
+
+@contextlib.contextmanager
+def _flash_attn_on(target: Any) -> Iterator[None]:
+    """FlashAttention answering for ``target`` while backends are chosen.
+
+    Its checks (which FA version runs, whether it reads an FP8 cache:
+    ``fa_utils``, ``vllm_flash_attn``) ask the process's ``current_platform``
+    about the device, and FA3's library loads only where the NVIDIA driver
+    is. On a host without a GPU both say no, and FP8 layers were planned on
+    TRITON_ATTN where an SM 9.0 GPU runs FA3. Here they ask ``target``, and
+    FA3 is available where this install ships its library. The backends are
+    imported first, as on the CPU platform they were: their module-level
+    imports follow the platform they were imported on.
+    """
+    import vllm.platforms as platforms
+    from vllm.v1.attention.backends import fa_utils
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for backend in AttentionBackendEnum:
+        with contextlib.suppress(Exception):
+            backend.get_class()
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except ImportError:
+        fa = None
+    saved = platforms._current_platform, fa_utils.current_platform
+    saved_fa3 = fa.FA3_AVAILABLE if fa is not None else None
+    platforms._current_platform = fa_utils.current_platform = target
+    if fa is not None:
+        fa.FA3_AVAILABLE = saved_fa3 or bool(
+            importlib.util.find_spec("vllm.vllm_flash_attn._vllm_fa3_C")
+        )
+    try:
+        yield
+    finally:
+        platforms._current_platform, fa_utils.current_platform = saved
+        if fa is not None:
+            fa.FA3_AVAILABLE = saved_fa3
 
 
 # --- plan ---------------------------------------------------------------------
