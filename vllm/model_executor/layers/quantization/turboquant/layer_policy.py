@@ -115,10 +115,6 @@ def sliding_layer_indices(hf_text_config) -> set[int]:
     return {i for i, t in enumerate(types) if t in _SLIDING_TYPES}
 
 
-def has_sliding_window_layers(hf_text_config) -> bool:
-    return bool(sliding_layer_indices(hf_text_config))
-
-
 def boundary_layers(
     skip_layers: list[str], attention_layers: list[int], hybrid: bool
 ) -> tuple[int, list[int]]:
@@ -157,22 +153,31 @@ def recent_window(skip_layers: list[str] | None) -> int:
     return int(value)
 
 
+_SLIDING_DTYPE_PREFIX = SLIDING_WINDOW + PRESET_SEPARATOR
+
+
+def _sliding_window_dtypes(skip_layers: list[str] | None) -> list[str]:
+    """The DTYPEs of the ``sliding_window=DTYPE`` entries, in order."""
+    prefix = _SLIDING_DTYPE_PREFIX
+    return [s[len(prefix) :] for s in skip_layers or [] if s.startswith(prefix)]
+
+
 def sliding_window_dtype(skip_layers: list[str] | None) -> str | None:
     """DTYPE of a ``sliding_window=DTYPE`` entry (checked by
     ``resolve_skip_layers``), else None."""
-    prefix = SLIDING_WINDOW + PRESET_SEPARATOR
-    entries = [s for s in skip_layers or [] if s.startswith(prefix)]
-    return entries[-1][len(prefix) :] if entries else None
+    dtypes = _sliding_window_dtypes(skip_layers)
+    return dtypes[-1] if dtypes else None
 
 
 def _check_sliding_window_dtype(skip: list[str], sliding: set[int], model: str) -> None:
-    prefix = SLIDING_WINDOW + PRESET_SEPARATOR
-    entries = [s for s in skip if s.startswith(prefix)]
-    if not entries:
+    prefix = _SLIDING_DTYPE_PREFIX
+    dtypes = _sliding_window_dtypes(skip)
+    if not dtypes:
         return
+    entries = [prefix + dtype for dtype in dtypes]
     allowed = " or ".join(SLIDING_WINDOW_DTYPES)
-    for entry in entries:
-        if entry[len(prefix) :] not in SLIDING_WINDOW_DTYPES:
+    for entry, dtype in zip(entries, dtypes):
+        if dtype not in SLIDING_WINDOW_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r}: sliding-window "
                 f"layers of a TurboQuant run can store {allowed} (the FP8 cache "
@@ -190,7 +195,7 @@ def _check_sliding_window_dtype(skip: list[str], sliding: set[int], model: str) 
         raise ValueError(
             f"--kv-cache-dtype-skip-layers entries {SLIDING_WINDOW!r} and "
             f"{entries[-1]!r} give sliding-window layers two KV dtypes (the model "
-            f"dtype, and {entries[-1][len(prefix) :]}). Keep one of them."
+            f"dtype, and {dtypes[-1]}). Keep one of them."
         )
     if not sliding:
         raise ValueError(
