@@ -8,7 +8,7 @@ real weights (GPU).
         --model smollm2_135m=DIR --model gemma3_270m=DIR [--corpus FILE ...] \\
         [--out OUTDIR] [--jobs 6] [--gpus 0,1] [--timeout 420] [--deadline 450] \\
         [--models NAME ...] [--kv KV ...] [--skip default boundary:0 LIST ...] \\
-        [--needles 3] [--needle-sample 0]
+        [--needles 3] [--needle-sample 0] [--attention-backend NAME]
 
 The checkpoints are the directories ``tests/models/real_weights/checkpoints.py``
 converts (``python -m tests.models.real_weights.checkpoints OUTDIR --gguf
@@ -367,6 +367,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument(
         "--kv-cache-gib", type=float, default=3.0, help="KV cache per engine"
     )
+    ap.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        help="vLLM's --attention-backend for every cell (e.g. TRITON_ATTN: FP8 "
+        "layers then attend with the query unquantized, where FlashAttention 3 "
+        "quantizes it); layers it cannot serve, TurboQuant's among them, keep "
+        "their own (default: vLLM's choice per layer)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name, low in (
@@ -383,6 +391,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise UsageError("--ppl-window must be at least 16 tokens")
     if args.timeout <= 0 or args.deadline < 0 or args.kv_cache_gib <= 0:
         raise UsageError("--timeout and --kv-cache-gib must be > 0, --deadline >= 0")
+    if args.attention_backend is not None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        names = [b.name for b in AttentionBackendEnum]
+        if args.attention_backend not in names:
+            raise UsageError(
+                f"--attention-backend {args.attention_backend} is not one of vLLM's "
+                f"attention backends; pass one of {', '.join(names)}"
+            )
     return args
 
 
@@ -420,7 +437,9 @@ def run_order(cells: Sequence[Cell]) -> list[Cell]:
     return sorted(cells, key=key)
 
 
-def engine_kwargs(cell: Cell, kv_cache_gib: float) -> dict[str, Any]:
+def engine_kwargs(
+    cell: Cell, kv_cache_gib: float, attention_backend: str | None = None
+) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         kv_cache_dtype=cell.kv,
         max_model_len=GRIDS[cell.model].context,
@@ -429,6 +448,8 @@ def engine_kwargs(cell: Cell, kv_cache_gib: float) -> dict[str, Any]:
     )
     if skip_entries(cell.skip) is not None:
         kw["kv_cache_dtype_skip_layers"] = list(skip_entries(cell.skip))
+    if attention_backend is not None:
+        kw["attention_backend"] = attention_backend
     return kw
 
 
@@ -845,7 +866,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "host": os.uname().nodename,
             "versions": _versions(),
             "corpus": {"files": corpus_files, "chars": len(text)},
-            "engine": {**ENGINE, "kv_cache_memory_bytes": int(args.kv_cache_gib * GIB)},
+            "engine": {
+                **ENGINE,
+                "kv_cache_memory_bytes": int(args.kv_cache_gib * GIB),
+                "attention_backend": args.attention_backend,
+            },
             "jobs": args.jobs,
             "timeout_s": args.timeout,
             "deadline_s": args.deadline or None,
@@ -870,7 +895,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         child = {
             "key": cell.key,
             "model_dir": str(models[cell.model]),
-            "engine": engine_kwargs(cell, args.kv_cache_gib),
+            "engine": engine_kwargs(cell, args.kv_cache_gib, args.attention_backend),
             "inputs": str(work / f"inputs-{cell.model}.json"),
             "result": str(result_file),
             "phases": list(PHASES),

@@ -464,6 +464,29 @@ def test_engine_kwargs_pass_the_skip_list_only_when_not_default(bench):
     )
     assert kw["kv_cache_dtype_skip_layers"] == ["boundary:0"]
     assert kw["max_model_len"] == 8192
+    assert "attention_backend" not in kw
+
+
+def test_attention_backend_reaches_every_cell_and_a_wrong_name_exits_2(
+    bench, tmp_path, capsys
+):
+    """``--attention-backend TRITON_ATTN`` (FP8 layers attending with the
+    query unquantized) is vLLM's own argument, passed to every cell; a name
+    vLLM does not know is refused before any engine starts."""
+    for cell in (
+        bench.Cell("gemma3_270m", "fp8", "default"),
+        bench.Cell(
+            "gemma3_270m", "turboquant_3bit_nc", "boundary:0,sliding_window=fp8"
+        ),
+    ):
+        kw = bench.engine_kwargs(cell, 3, "TRITON_ATTN")
+        assert kw["attention_backend"] == "TRITON_ATTN"
+    ck = _checkpoint(tmp_path)
+    argv = ["--model", f"smollm2_135m={ck}", "--attention-backend", "TRITON"]
+    assert _exit_code(bench, argv) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend TRITON is not one of vLLM's" in err
+    assert "TRITON_ATTN" in err
 
 
 def test_a_skip_list_of_its_own_is_a_cell(bench):
