@@ -38,6 +38,10 @@ per-head mean, added back to the attention output; any fix with ``+vr``
 the attention output rotated back (the weights are linear in the values);
 ``kscale``: the product's per-channel key scale from
 ``k_norm``, ``turboquant.key_scale``).
+``--sliding FORMATS`` stores the sliding-window layers' K/V in vLLM's 8-bit
+cache formats (``SLIDING_FORMATS``: e4m3 with or without the query cast, the
+per-token-head int8 and e4m3), each alone and beside every quantized
+configuration.
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
 perplexity, for the retrieval step alone: the prompt attends raw, and the rows
 that predict the teacher-forced answer read its keys and values quantized.
@@ -125,6 +129,57 @@ def quant_keys_fp8(k: torch.Tensor) -> torch.Tensor:
     return k.float().to(torch.float8_e4m3fn).double()
 
 
+# What --sliding takes: how an FP8-class cache of vLLM 0.20.2 stores the
+# sliding-window layers' K/V (every position, the current chunk's too: those
+# backends read their own tokens back from the cache).
+SLIDING_FORMATS = {
+    # plain e4m3, scale 1.0 (--kv-cache-dtype fp8), query in the model dtype
+    # (Triton attention)
+    "e4m3": "K/V cast to e4m3",
+    # the same, and the query cast too: FlashAttention 3 reads an FP8 cache
+    # with an FP8 query
+    "e4m3q": "K/V and query cast to e4m3",
+    # int8_per_token_head: int8 with an fp32 scale per token and head
+    "int8pth": "K/V int8, absmax/127 per token and head",
+    # fp8_per_token_head: e4m3 with an fp32 scale per token and head
+    "fp8pth": "K/V e4m3, absmax/448 per token and head",
+}
+
+
+def quant_sliding(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[..., D] keys or values (or a query, for ``e4m3q``) as a sliding
+    layer's cache of format ``fmt`` stores them, in ``x``'s dtype."""
+    xf = x.float()
+    if fmt in ("e4m3", "e4m3q"):
+        out = xf.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    elif fmt == "int8pth":
+        scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-12)
+        out = torch.round(xf / scale).clamp(-127, 127) * scale
+    elif fmt == "fp8pth":
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(1e-12)
+        out = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    else:
+        raise ValueError(
+            f"sliding-layer format {fmt!r} is not one of {sorted(SLIDING_FORMATS)}"
+        )
+    return out.to(x.dtype)
+
+
+def sliding_variants(
+    configs: list[tuple], formats: list[str]
+) -> tuple[list[tuple], dict[str, str]]:
+    """``configs`` followed, per sliding-layer format, by that format alone
+    (no TurboQuant layer) and by every quantized configuration with it; and
+    each added configuration's name -> its format."""
+    out, fmt_of = list(configs), {}
+    for fmt in formats:
+        added = [(f"sliding:{fmt}", [], 0, 0, True, "", ())]
+        added += [(f"{c[0]}|sliding:{fmt}", *c[1:]) for c in configs if c[0] != "auto"]
+        out += added
+        fmt_of.update((c[0], fmt) for c in added)
+    return out, fmt_of
+
+
 def hadamard(n: int) -> torch.Tensor:
     """The backend's orthonormal n x n Sylvester Hadamard matrix, float64;
     n a power of two (the backend's builder would round it up)."""
@@ -181,6 +236,9 @@ class Emu:
         # preset than the configuration's (issue 46: which layers' keys a
         # 3.5-bit budget can afford at 4 bits).
         self.upgraded: dict[int, tuple[int, int, str]] = {}
+        # How the sliding-window layers' cache stores K/V (SLIDING_FORMATS;
+        # "": the model dtype, as TurboQuant runs keep them by default).
+        self.sliding = ""
 
     def configure(self, config: tuple, upgrade_preset: tuple[int, int, str]):
         """Set one entry of ``configurations`` (its name aside), its upgraded
@@ -441,6 +499,17 @@ def tq_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layer = module.layer_idx
+    if kw.get("sliding_window") and EMU.sliding:
+        q = quant_sliding(query, "e4m3") if EMU.sliding == "e4m3q" else query
+        return sdpa_attention_forward(
+            module,
+            q,
+            quant_sliding(key, EMU.sliding),
+            quant_sliding(value, EMU.sliding),
+            attention_mask,
+            scaling=scaling,
+            **kw,
+        )
     if layer not in EMU.layers and EMU.stats is None and EMU.capture is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kw
@@ -902,6 +971,14 @@ def main(argv=None) -> int:
         help="what upgraded layers store: the preset as vLLM serves it (an MSE "
         "preset with rotated values, patch 0028)",
     )
+    ap.add_argument(
+        "--sliding",
+        default="",
+        metavar="FORMATS",
+        help="comma list of sliding-window-layer cache formats ("
+        + "; ".join(f"{k}: {v}" for k, v in SLIDING_FORMATS.items())
+        + "): each alone and beside every quantized configuration",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--check-kernels",
@@ -944,6 +1021,12 @@ def main(argv=None) -> int:
         upgrade_each=args.upgrade_each,
         fixes_only=args.fixes_only,
     )
+
+    formats = [f for f in args.sliding.split(",") if f]
+    unknown = sorted(set(formats) - set(SLIDING_FORMATS))
+    if unknown:
+        ap.error(f"--sliding: {unknown} not among {sorted(SLIDING_FORMATS)}")
+    configs, sliding_of = sliding_variants(configs, formats)
 
     results = {}
     base_greedy = []
@@ -1015,6 +1098,7 @@ def main(argv=None) -> int:
             for config in configs:
                 name = config[0]
                 EMU.configure(config, up_preset)
+                EMU.sliding = sliding_of.get(name, "")
                 got = (
                     needle_digits_chunked(lm, c, answer)
                     if args.needle_chunked
@@ -1046,6 +1130,7 @@ def main(argv=None) -> int:
         name = config[0]
         t0 = time.time()
         EMU.configure(config, up_preset)
+        EMU.sliding = sliding_of.get(name, "")
         nll, n, agree, per = 0.0, 0, 0, []
         for w, ids in enumerate(windows):
             s, c, g = window_nll(lm, ids)

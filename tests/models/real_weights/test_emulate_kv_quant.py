@@ -271,3 +271,76 @@ def test_upgrade_each_adds_one_configuration_per_layer():
     ]
     fixed = emu.configurations(["3bit_nc"], ["kv"], [2], ["a", "b"], fixes_only=True)
     assert [c[0] for c in fixed] == ["auto", "3bit_nc:kv+a", "3bit_nc:kv+b"]
+
+
+def test_sliding_formats_store_as_vllm_caches_do():
+    """``--sliding``: e4m3 is the plain cast (scale 1.0); the per-token-head
+    formats scale each [D] vector by its absmax, int8 to 127 levels a side
+    (error at most half a step), fp8 to e4m3's 448."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 64) * torch.logspace(-3, 1, 64)
+    e4m3 = emu.quant_sliding(x, "e4m3")
+    assert torch.equal(e4m3, x.to(torch.float8_e4m3fn).float())
+    step = x.abs().amax(-1, keepdim=True) / 127
+    int8 = emu.quant_sliding(x, "int8pth")
+    assert ((int8 - x).abs() <= step / 2 + 1e-6).all()
+    assert torch.allclose(int8.abs().amax(-1), x.abs().amax(-1))
+    fp8 = emu.quant_sliding(x, "fp8pth")
+    assert torch.allclose(fp8.abs().amax(-1), x.abs().amax(-1))
+    # Scaled to e4m3's range, small channels keep more precision: the plain
+    # cast flushes the ones under half e4m3's smallest subnormal (2**-9).
+    small = x.abs() < 2**-10
+    assert small.any() and (e4m3[small] == 0).all()
+    err = lambda y: (y[small] - x[small]).abs().sum()  # noqa: E731
+    assert err(fp8) < err(e4m3) / 2
+    with pytest.raises(ValueError, match="'int4' is not one of"):
+        emu.quant_sliding(x, "int4")
+
+
+def test_sliding_variants_add_each_format_alone_and_beside_each_configuration():
+    configs = emu.configurations(["3bit_nc"], ["kv"], [5, 11], ["calibksmin+vr"])
+    got, fmt_of = emu.sliding_variants(configs, ["e4m3", "int8pth"])
+    assert [c[0] for c in got] == [
+        "auto",
+        "3bit_nc:kv",
+        "3bit_nc:kv+calibksmin+vr",
+        "sliding:e4m3",
+        "3bit_nc:kv|sliding:e4m3",
+        "3bit_nc:kv+calibksmin+vr|sliding:e4m3",
+        "sliding:int8pth",
+        "3bit_nc:kv|sliding:int8pth",
+        "3bit_nc:kv+calibksmin+vr|sliding:int8pth",
+    ]
+    assert fmt_of["sliding:e4m3"] == "e4m3" and "auto" not in fmt_of
+    assert got[3][1] == [] and got[4][1:] == configs[1][1:]
+    assert emu.sliding_variants(configs, []) == (configs, {})
+
+
+def test_sliding_layers_attend_to_their_stored_kv(monkeypatch):
+    """A sliding-window layer's attention reads K/V as its cache format
+    stores them (and, for FA3's ``e4m3q``, an e4m3 query); full layers and
+    runs without ``--sliding`` are untouched."""
+    seen = []
+
+    def sdpa(module, query, key, value, mask, scaling=None, **kw):
+        seen.append((query, key, value))
+        return None, None
+
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", sdpa)
+    monkeypatch.setattr(emu.EMU, "layers", set())
+    module = SimpleNamespace(layer_idx=0)
+    q, k, v = (torch.randn(1, 2, 4, 64) * 3 for _ in range(3))
+    for fmt in ("", "e4m3", "e4m3q", "int8pth"):
+        monkeypatch.setattr(emu.EMU, "sliding", fmt)
+        emu.tq_attention(module, q, k, v, None, scaling=0.1, sliding_window=512)
+    emu.tq_attention(module, q, k, v, None, scaling=0.1)  # a full layer
+    raw, e4m3, e4m3q, int8, full = seen
+    assert all(torch.equal(a, b) for a, b in zip(raw, (q, k, v)))
+    assert torch.equal(e4m3[0], q) and torch.equal(
+        e4m3[1], emu.quant_sliding(k, "e4m3")
+    )
+    assert torch.equal(e4m3q[0], emu.quant_sliding(q, "e4m3"))
+    assert torch.equal(int8[2], emu.quant_sliding(v, "int8pth"))
+    assert all(torch.equal(a, b) for a, b in zip(full, (q, k, v)))
