@@ -370,9 +370,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument(
         "--attention-backend",
         metavar="NAME",
-        help="vLLM's --attention-backend for every cell (e.g. TRITON_ATTN: FP8 "
-        "layers then attend with the query unquantized, where FlashAttention 3 "
-        "quantizes it); layers it cannot serve, TurboQuant's among them, keep "
+        help="vLLM's --attention-backend for every cell (e.g. TRITON_ATTN, the "
+        "backend of the per-token-head KV dtypes, for FP8 layers FlashAttention "
+        "would serve); layers it cannot serve, TurboQuant's among them, keep "
         "their own (default: vLLM's choice per layer)",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -470,9 +470,9 @@ def test_engine_kwargs_pass_the_skip_list_only_when_not_default(bench):
 def test_attention_backend_reaches_every_cell_and_a_wrong_name_exits_2(
     bench, tmp_path, capsys
 ):
-    """``--attention-backend TRITON_ATTN`` (FP8 layers attending with the
-    query unquantized) is vLLM's own argument, passed to every cell; a name
-    vLLM does not know is refused before any engine starts."""
+    """``--attention-backend TRITON_ATTN`` (FP8 layers on Triton attention
+    instead of FlashAttention) is vLLM's own argument, passed to every cell; a
+    name vLLM does not know is refused before any engine starts."""
     for cell in (
         bench.Cell("gemma3_270m", "fp8", "default"),
         bench.Cell(
