@@ -10,6 +10,12 @@ wrong for some group: FP8 sliding-window layers in a TurboQuant run
 and FA3 stopped at the first step ("FlashAttention only supports fp16, bf16,
 and fp8_e4m3 data type", Gemma 3 on an H200); model-dtype layers kept by a
 skip list in an FP8 run were scheduled as FP8.
+
+FlashAttention also claims no per-token-head KV dtype: 0.20.2 accepted
+``int8_per_token_head`` and ``fp8_per_token_head`` wherever FA3 reads FP8, so
+on SM 9.0 those layers (a whole run's, or ``sliding_window=int8_per_token_head``
+in a TurboQuant run) went to FlashAttention, which has no reader for their
+per-token scales. Triton attention, the backend that has one, serves them.
 """
 
 import sys
@@ -129,6 +135,19 @@ def test_schedule_uses_the_groups_kv_dtype(
     assert seen == [expected, expected]
 
 
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["int8_per_token_head", "fp8_per_token_head"]
+)
+def test_flash_attention_claims_no_per_token_head_dtype(
+    flash_attn, monkeypatch, kv_cache_dtype
+):
+    # As on SM 9.0 with FA3, where FlashAttention reads an FP8 cache.
+    monkeypatch.setattr(flash_attn, "flash_attn_supports_fp8", lambda: True)
+    backend = flash_attn.FlashAttentionBackend
+    assert backend.supports_kv_cache_dtype("fp8")
+    assert not backend.supports_kv_cache_dtype(kv_cache_dtype)
+
+
 def _tiny_gemma3(path):
     from transformers import Gemma3TextConfig
 
@@ -171,10 +190,14 @@ def _layer_dtypes(worker):
 
 
 @pytest.mark.gpu
-def test_fp8_sliding_layers_beside_turboquant_serve(tmp_path, monkeypatch):
-    """An engine with TurboQuant full layers and FP8 sliding-window layers
-    (``sliding_window=fp8``) serves prompts longer than the window; before
-    the fix FA3's first schedule of the FP8 group raised."""
+@pytest.mark.parametrize("sliding_dtype", ["fp8", "int8_per_token_head"])
+def test_8bit_sliding_layers_beside_turboquant_serve(
+    tmp_path, monkeypatch, sliding_dtype
+):
+    """An engine with TurboQuant full layers and 8-bit sliding-window layers
+    (``sliding_window=fp8``, on FlashAttention; ``int8_per_token_head``, on
+    Triton attention) serves prompts longer than the window; before the fix
+    FA3's first schedule of the FP8 group raised."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from vllm import LLM, SamplingParams
@@ -192,11 +215,11 @@ def test_fp8_sliding_layers_beside_turboquant_serve(tmp_path, monkeypatch):
         enforce_eager=True,
         dtype="bfloat16",
         kv_cache_dtype="turboquant_3bit_nc",
-        kv_cache_dtype_skip_layers=["boundary:0", "sliding_window=fp8"],
+        kv_cache_dtype_skip_layers=["boundary:0", f"sliding_window={sliding_dtype}"],
         seed=0,
     )
     (dtypes,) = llm.collective_rpc(_layer_dtypes)
-    assert sorted(set(dtypes.values())) == ["fp8", "turboquant_3bit_nc"], dtypes
+    assert set(dtypes.values()) == {sliding_dtype, "turboquant_3bit_nc"}, dtypes
     # One prompt inside the 64-token window, one well past it.
     prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (40, 300)]
     outs = llm.generate(

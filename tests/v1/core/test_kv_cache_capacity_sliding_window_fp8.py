@@ -60,23 +60,51 @@ def test_refused_where_the_engine_refuses(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("capability", "backend"),
-    [("9.0", "FLASH_ATTN"), ("8.0", "TRITON_ATTN")],
-    ids=["hopper-fa3", "ampere-fa2"],
+    ("capability", "kv", "backend"),
+    [
+        ("9.0", "fp8", "FLASH_ATTN"),
+        ("8.0", "fp8", "TRITON_ATTN"),
+        ("9.0", "int8_per_token_head", "TRITON_ATTN"),
+        ("9.0", "fp8_per_token_head", "TRITON_ATTN"),
+    ],
+    ids=["hopper-fa3", "ampere-fa2", "hopper-int8-per-token-head", "hopper-fp8-pth"],
 )
-def test_fp8_layers_get_the_backend_the_gpu_runs(tmp_path, capability, backend):
+def test_8bit_layers_get_the_backend_the_gpu_runs(tmp_path, capability, kv, backend):
     """An H200 ran Gemma 3's FP8 sliding layers on FLASH_ATTN (FA3 reads an
     FP8 cache); release 55's plan named TRITON_ATTN, because FlashAttention's
-    checks asked the planning host's CPU platform. FA2 reads no FP8 cache."""
+    checks asked the planning host's CPU platform. FA2 reads no FP8 cache.
+    The per-token-head dtypes only Triton attention reads: 0.20.2's
+    FlashAttention claimed them on SM 9.0 and would have read them as FP8."""
     qwen = write_full_size_config("Qwen3-4B", tmp_path / "q")
     report = capacity.plan_capacity(
         capacity.CapacityRequest(
             model=str(qwen),
             max_model_len=8192,
             kv_cache_memory_bytes=4 << 30,
-            kv_cache_dtype="fp8",
+            kv_cache_dtype=kv,
             device_capability=capability,
         )
     )
     assert not report.fails, report.error or report.backend_errors
     assert set(report.attention_backends.values()) == {backend}
+
+
+def test_sliding_layers_planned_per_token_head(gemma4):
+    """``sliding_window=int8_per_token_head``: int8 pages that carry a
+    4-byte scale per token and head, 260/256 of FP8's bytes per token."""
+    fp8 = plan(gemma4, "boundary:0", "sliding_window=fp8")
+    pth = plan(gemma4, "boundary:0", "sliding_window=int8_per_token_head")
+    assert pth.error is None, pth.error
+    assert pth.layer_dtypes == {
+        "int8_per_token_head": fp8.layer_dtypes["fp8"],
+        TQ: fp8.layer_dtypes[TQ],
+    }
+
+    def per_token(report):
+        g = next(g for g in report.groups if g["type"] == "SlidingWindowSpec")
+        return g, (g["page_size_bytes"] - g["padding_bytes"]) / g["block_size"]
+
+    group, pth_bytes = per_token(pth)
+    assert group["dtype"] == "torch.int8"
+    assert pth_bytes * 256 == per_token(fp8)[1] * 260
+    assert fp8.kv_tokens > pth.kv_tokens > 0.95 * fp8.kv_tokens

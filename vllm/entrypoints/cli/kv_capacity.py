@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="layers kept at the model dtype: layer indices, 'boundary:N' (N "
         "attention layers at each end), 'draft', 'sliding_window'; with a "
         "TurboQuant dtype also 'N=PRESET' (layer N's own preset), "
-        "'sliding_window=fp8' (sliding-window layers in FP8) and 'recent:W'",
+        "'sliding_window=DTYPE' (sliding-window layers in fp8, "
+        "int8_per_token_head or fp8_per_token_head) and 'recent:W'",
     )
     p.add_argument(
         "--tensor-parallel-size",

@@ -7,9 +7,11 @@ entries are:
 
 - a decimal layer index of the main model (``"63"``);
 - ``sliding_window``: every sliding-window layer;
-- ``sliding_window=fp8``: in a TurboQuant run, every sliding-window layer
-  stores FP8 (e4m3, per-tensor scales as ``--kv-cache-dtype fp8`` takes
-  them) instead of the model dtype;
+- ``sliding_window=DTYPE``: in a TurboQuant run, every sliding-window layer
+  stores one of vLLM's 8-bit caches instead of the model dtype: ``fp8``
+  (e4m3 with per-tensor scales, as ``--kv-cache-dtype fp8`` takes them) or
+  ``int8_per_token_head`` / ``fp8_per_token_head`` (a scale per token and
+  head);
 - ``draft``: every layer of a speculative drafter (MTP head, EAGLE head or
   separate draft model);
 - ``boundary:N``: TurboQuant's boundary protection, the first ``N`` and last
@@ -43,8 +45,8 @@ Policy for TurboQuant (``turboquant_*``), decided once in
   sliding-window kernel and no sliding-window KV spec (a TurboQuant sliding
   layer was sized as an unpacked uint8 cache and attended over all tokens).
   They keep the model dtype (``sliding_window`` is added with one log line),
-  or with ``sliding_window=fp8`` store FP8 through the attention backend
-  vLLM picks for an FP8 cache. That halves what they hold, which is most of
+  or with ``sliding_window=DTYPE`` store that 8-bit dtype through the
+  attention backend vLLM picks for it. That halves what they hold, which is most of
   the cache where few layers are full attention and contexts are short next
   to the window times the sliding layers (Gemma 3 and 4: 5 of 6 layers slide).
   A layer index or ``draft`` still keeps a sliding layer at the model dtype.
@@ -65,9 +67,11 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 SLIDING_WINDOW = "sliding_window"
-# What ``sliding_window=DTYPE`` may give sliding-window layers: the FP8 format
-# FlashAttention reads, under the names --kv-cache-dtype takes for it.
-SLIDING_WINDOW_DTYPES = ("fp8", "fp8_e4m3")
+# What ``sliding_window=DTYPE`` may give sliding-window layers, under the
+# names --kv-cache-dtype takes: the FP8 cache FlashAttention and Triton
+# attention read (both cast the query to FP8 for it on CUDA), and the
+# per-token-head caches Triton attention reads with the query unquantized.
+SLIDING_WINDOW_DTYPES = ("fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
 DRAFT = "draft"
 BOUNDARY_PREFIX = "boundary:"
 PRESET_SEPARATOR = "="
@@ -175,16 +179,16 @@ def _check_sliding_window_dtype(skip: list[str], sliding: set[int], model: str) 
     if not dtypes:
         return
     entries = [prefix + dtype for dtype in dtypes]
-    allowed = " or ".join(SLIDING_WINDOW_DTYPES)
+    allowed = ", ".join(SLIDING_WINDOW_DTYPES[:-1]) + " or " + SLIDING_WINDOW_DTYPES[-1]
     for entry, dtype in zip(entries, dtypes):
         if dtype not in SLIDING_WINDOW_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r}: sliding-window "
-                f"layers of a TurboQuant run can store {allowed} (the FP8 cache "
-                "FlashAttention reads) instead of the model dtype; "
+                f"layers of a TurboQuant run can store {allowed} (vLLM's 8-bit "
+                "caches with a sliding-window kernel) instead of the model dtype; "
                 "TurboQuant itself has no sliding-window kernel. Give "
-                f"'{prefix}fp8', or leave the entry out to keep them at the model "
-                "dtype."
+                f"'{prefix}fp8' or '{prefix}int8_per_token_head', or leave the "
+                "entry out to keep them at the model dtype."
             )
     if len(set(entries)) > 1:
         raise ValueError(
@@ -334,7 +338,7 @@ def resolve_skip_layers(
         logger.info(
             "TurboQuant has no sliding-window kernel: sliding-window layers keep "
             "the model's KV dtype (%s added to --kv-cache-dtype-skip-layers; "
-            "%s%sfp8 stores them in FP8).",
+            "%s%sfp8 or int8_per_token_head stores them in 8 bits).",
             SLIDING_WINDOW,
             SLIDING_WINDOW,
             PRESET_SEPARATOR,
@@ -383,10 +387,10 @@ def layer_kv_cache_dtype(
     if sliding_dtype is not None and not quantized:
         raise ValueError(
             f"--kv-cache-dtype-skip-layers {SLIDING_WINDOW}{PRESET_SEPARATOR}"
-            f"{sliding_dtype} gives a TurboQuant run's sliding-window layers FP8, "
-            f"but the KV cache dtype is {kv_cache_dtype!r}. Give a --kv-cache-dtype "
-            "turboquant_* (or --kv-cache-dtype fp8 for FP8 on every layer), or "
-            "leave the entry out."
+            f"{sliding_dtype} gives a TurboQuant run's sliding-window layers "
+            f"{sliding_dtype}, but the KV cache dtype is {kv_cache_dtype!r}. Give a "
+            f"--kv-cache-dtype turboquant_* (or --kv-cache-dtype {sliding_dtype} for "
+            "it on every layer), or leave the entry out."
         )
     if recent_window(skip_layers) and not quantized:
         raise ValueError(
