@@ -74,7 +74,7 @@ def test_8bit_layers_get_the_backend_the_gpu_runs(tmp_path, capability, kv, back
     FP8 cache); release 55's plan named TRITON_ATTN, because FlashAttention's
     checks asked the planning host's CPU platform. FA2 reads no FP8 cache.
     The per-token-head dtypes only Triton attention reads: 0.20.2's
-    FlashAttention claimed them on SM 9.0 and would have read them as FP8."""
+    FlashAttention claimed them on SM 9.0, with no reader for their scales."""
     qwen = write_full_size_config("Qwen3-4B", tmp_path / "q")
     report = capacity.plan_capacity(
         capacity.CapacityRequest(
