@@ -20,17 +20,18 @@ def gemma4(tmp_path_factory):
     return write_full_size_config("Gemma-4-31B", tmp_path_factory.mktemp("g4"))
 
 
-def plan(model_dir, *skip):
-    report = capacity.plan_capacity(
-        capacity.CapacityRequest(
-            model=str(model_dir),
-            max_model_len=32768,
-            kv_cache_memory_bytes=4 << 30,
-            kv_cache_dtype=TQ,
-            kv_cache_dtype_skip_layers=skip,
-            language_model_only=True,
-        )
+def plan(model_dir, *skip, **fields):
+    """The plan of ``model_dir`` at 32K in 4 GiB with TurboQuant and ``skip``
+    (language model only); ``fields`` override the request's."""
+    request = dict(
+        model=str(model_dir),
+        max_model_len=32768,
+        kv_cache_memory_bytes=4 << 30,
+        kv_cache_dtype=TQ,
+        kv_cache_dtype_skip_layers=skip,
+        language_model_only=True,
     )
+    report = capacity.plan_capacity(capacity.CapacityRequest(**(request | fields)))
     print(capacity.format_report(report))
     return report
 
@@ -76,14 +77,12 @@ def test_8bit_layers_get_the_backend_the_gpu_runs(tmp_path, capability, kv, back
     The per-token-head dtypes only Triton attention reads: 0.20.2's
     FlashAttention claimed them on SM 9.0, with no reader for their scales."""
     qwen = write_full_size_config("Qwen3-4B", tmp_path / "q")
-    report = capacity.plan_capacity(
-        capacity.CapacityRequest(
-            model=str(qwen),
-            max_model_len=8192,
-            kv_cache_memory_bytes=4 << 30,
-            kv_cache_dtype=kv,
-            device_capability=capability,
-        )
+    report = plan(
+        qwen,
+        max_model_len=8192,
+        kv_cache_dtype=kv,
+        device_capability=capability,
+        language_model_only=False,
     )
     assert not report.fails, report.error or report.backend_errors
     assert set(report.attention_backends.values()) == {backend}

@@ -299,7 +299,7 @@ def resolve_skip_layers(
             raise ValueError(
                 f"--kv-cache-dtype-skip-layers entry {entry!r} is not understood: "
                 f"expected a layer index, '{SLIDING_WINDOW}', "
-                f"'{SLIDING_WINDOW}{PRESET_SEPARATOR}fp8', '{DRAFT}', "
+                f"'{SLIDING_WINDOW}{PRESET_SEPARATOR}DTYPE', '{DRAFT}', "
                 f"'{BOUNDARY_PREFIX}N', 'N{PRESET_SEPARATOR}PRESET' or "
                 f"'{RECENT_PREFIX}W'."
             )
