@@ -141,6 +141,9 @@ SLIDING_FORMATS = {
     "e4m3q": "K/V and query cast to e4m3",
     # int8_per_token_head: int8 with an fp32 scale per token and head
     "int8pth": "K/V int8, absmax/127 per token and head",
+    # the same as vLLM 0.20.2's Triton store writes it: the float-to-int8
+    # store truncates toward zero instead of rounding
+    "int8pthtrunc": "K/V int8, absmax/127 per token and head, truncated",
     # fp8_per_token_head: e4m3 with an fp32 scale per token and head
     "fp8pth": "K/V e4m3, absmax/448 per token and head",
 }
@@ -152,9 +155,10 @@ def quant_sliding(x: torch.Tensor, fmt: str) -> torch.Tensor:
     xf = x.float()
     if fmt in ("e4m3", "e4m3q"):
         out = xf.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    elif fmt == "int8pth":
+    elif fmt in ("int8pth", "int8pthtrunc"):
         scale = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-12)
-        out = torch.round(xf / scale).clamp(-127, 127) * scale
+        to_int = torch.round if fmt == "int8pth" else torch.trunc
+        out = to_int(xf / scale).clamp(-127, 127) * scale
     elif fmt == "fp8pth":
         scale = (xf.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp_min(1e-12)
         out = (xf / scale).to(torch.float8_e4m3fn).float() * scale

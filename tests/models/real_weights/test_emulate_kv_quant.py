@@ -285,6 +285,11 @@ def test_sliding_formats_store_as_vllm_caches_do():
     int8 = emu.quant_sliding(x, "int8pth")
     assert ((int8 - x).abs() <= step / 2 + 1e-6).all()
     assert torch.allclose(int8.abs().amax(-1), x.abs().amax(-1))
+    # 0.20.2's store truncates: up to a whole step, always toward zero.
+    trunc = emu.quant_sliding(x, "int8pthtrunc")
+    assert ((trunc - x).abs() < step + 1e-6).all()
+    assert (trunc.abs() <= x.abs() + 1e-6).all()
+    assert (trunc - x).abs().mean() > 1.5 * (int8 - x).abs().mean()
     fp8 = emu.quant_sliding(x, "fp8pth")
     assert torch.allclose(fp8.abs().amax(-1), x.abs().amax(-1))
     # Scaled to e4m3's range, small channels keep more precision: the plain
