@@ -22,6 +22,8 @@ full-attention layer quantized; the default keeps the first and last two
 attention layers at bf16 on these all-attention models, and Gemma 3's
 sliding-window layers stay bf16 either way). ``--skip`` narrows the
 TurboQuant cells only; auto and fp8 run once. 20 cells for both models.
+``--kv`` also takes vLLM's ``int8_per_token_head`` and ``fp8_per_token_head``
+(every layer in that cache, run once like fp8), never run by default.
 ``--skip`` also takes a skip list of its own, comma-separated, as one more
 setting (``boundary:0,11=turboquant_4bit_nc``: layer 11 stores its own
 preset).
@@ -125,6 +127,10 @@ KV_DTYPES = (
     "turboquant_k3v4_nc",
     "turboquant_3bit_nc",
 )
+# vLLM's per-token-head 8-bit caches run only when --kv names them: the
+# default table stays the one every release is compared on.
+OPT_IN_KV_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
+ALL_KV_DTYPES = KV_DTYPES + OPT_IN_KV_DTYPES
 # Skip-layer settings: label -> kv_cache_dtype_skip_layers (None: not passed).
 # --skip also takes a list of its own, comma-separated, as its label (e.g.
 # "boundary:0,19=turboquant_4bit_nc": layer 19 stores its own preset).
@@ -325,7 +331,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR")
     ap.add_argument("--models", nargs="+", metavar="NAME", help="only these of --model")
-    ap.add_argument("--kv", nargs="+", choices=KV_DTYPES, default=list(KV_DTYPES))
+    ap.add_argument("--kv", nargs="+", choices=ALL_KV_DTYPES, default=list(KV_DTYPES))
     ap.add_argument(
         "--skip",
         nargs="+",
@@ -409,7 +415,7 @@ def plan_cells(
     """Cells in table order (model, KV dtype, skip setting)."""
     cells = []
     for model in models:
-        for kv in KV_DTYPES:
+        for kv in ALL_KV_DTYPES:
             if kv not in kvs:
                 continue
             if not kv.startswith("turboquant_"):
@@ -431,7 +437,7 @@ def run_order(cells: Sequence[Cell]) -> list[Cell]:
             c.skip != "default",
             -GRIDS[c.model].cost,
             not c.kv.startswith("turboquant_"),
-            KV_DTYPES.index(c.kv),
+            ALL_KV_DTYPES.index(c.kv),
         )
 
     return sorted(cells, key=key)

@@ -428,6 +428,20 @@ def test_markdown_one_table_per_model_with_failures_listed(bench):
     assert "- `m.fp8.default`: crash — ValueError: boom" in md
 
 
+def test_per_token_head_cells_only_when_named(bench):
+    """vLLM's per-token-head caches are cells of their own, run once like
+    fp8, when --kv names them; the default table does not change."""
+    args = bench.parse_args(["--kv", "auto", "int8_per_token_head"])
+    cells = bench.plan_cells(["gemma3_270m"], args.kv, args.skip)
+    assert [(c.kv, c.skip) for c in bench.run_order(cells)] == [
+        ("auto", "default"),
+        ("int8_per_token_head", "default"),
+    ]
+    default = bench.parse_args([]).kv
+    assert "int8_per_token_head" not in default
+    assert "fp8_per_token_head" not in default
+
+
 def test_cells_twenty_for_two_models_auto_first(bench):
     cells = bench.plan_cells(
         ["smollm2_135m", "gemma3_270m"], bench.KV_DTYPES, list(bench.SKIPS)

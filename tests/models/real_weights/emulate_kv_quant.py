@@ -40,8 +40,8 @@ the attention output rotated back (the weights are linear in the values);
 ``k_norm``, ``turboquant.key_scale``).
 ``--sliding FORMATS`` stores the sliding-window layers' K/V in vLLM's 8-bit
 cache formats (``SLIDING_FORMATS``: e4m3 with or without the query cast, the
-per-token-head int8 and e4m3), each alone and beside every quantized
-configuration.
+per-token-head int8, rounded or truncated as vLLM 0.20.2's store wrote it, and
+e4m3), each alone and beside every quantized configuration.
 ``--needle LENGTHS`` scores the quality harness's needle cases instead of
 perplexity, for the retrieval step alone: the prompt attends raw, and the rows
 that predict the teacher-forced answer read its keys and values quantized.
