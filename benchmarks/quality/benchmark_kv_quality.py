@@ -717,9 +717,15 @@ def compare_with_auto(
 def _compare_one(c: dict[str, Any], ref: dict[str, Any], inputs_meta: dict) -> None:
     ppl = c.get("ppl")
     if isinstance(ppl, dict):
-        ppl["ratio_to_auto"] = measures.ratio(
-            ppl.get("ppl"), (ref.get("ppl") or {}).get("ppl")
-        )
+        ref_ppl = ref.get("ppl") or {}
+        ppl["ratio_to_auto"] = measures.ratio(ppl.get("ppl"), ref_ppl.get("ppl"))
+        # The ratio's spread: each window against auto's same window. Beside
+        # other quantized layers a small change moves single windows by ~1 %.
+        mine, ref_windows = ppl.get("windows") or [], ref_ppl.get("windows") or []
+        if c is not ref and len(mine) > 1 and len(mine) == len(ref_windows):
+            ppl["windows_vs_auto"] = measures.paired_difference(
+                [w["nll_mean"] for w in ref_windows], [w["nll_mean"] for w in mine]
+            )
     agr = c.get("agreement")
     ref_out = (ref.get("agreement") or {}).get("outputs")
     if isinstance(agr, dict) and "outputs" in agr and ref_out is not None:

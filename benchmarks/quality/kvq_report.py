@@ -48,6 +48,12 @@ def _lost(needle: dict) -> str:
     return f"{needle['lost']} / {needle['gained']}"
 
 
+def _ratio(ppl: dict) -> str:
+    vs = ppl.get("windows_vs_auto")
+    ratio = _num(ppl.get("ratio_to_auto"), ".4f")
+    return ratio if not vs or ratio == DASH else f"{ratio} ± {vs['se']:.4f}"
+
+
 def _answer(answer: dict) -> str:
     vs = answer.get("vs_auto")
     return DASH if not vs else f"{vs['mean']:+.3f} ± {vs['se']:.3f}"
@@ -87,7 +93,9 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
         "interval; lost / gained: cases auto found and this did not, and the "
         "reverse; answer nats: the number's negative log-likelihood after "
         "the prompt under teacher forcing, this minus auto's, mean over the "
-        f"cases ± its standard error); agreement: {agree} prompts x 64 greedy "
+        "cases ± its standard error); x auto: ± the standard error of the "
+        "windows' mean log ratio to auto's same windows; agreement: "
+        f"{agree} prompts x 64 greedy "
         "tokens, tokens equal to auto's before the first difference; K/V "
         "bits: per K/V element with norms, scales and padding, over the "
         "quantized layers / over one request's whole cache at max_model_len, "
@@ -129,7 +137,7 @@ def model_table(name: str, model: dict, cells: list[dict]) -> list[str]:
             _bits(c),
             _int(c.get("kv_tokens")),
             _num(ppl_c.get("ppl"), ".3f"),
-            _num(ppl_c.get("ratio_to_auto"), ".4f"),
+            _ratio(ppl_c),
             _recall(needle),
             _lost(needle),
             _answer(c.get("answer") or {}),

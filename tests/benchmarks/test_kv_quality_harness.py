@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -324,6 +325,30 @@ def _needle_meta(lengths=(1024, 2048)):
         for d in (0.1, 0.9)
     ]
     return {"needle": {"lengths": list(lengths), "cases": cases}}
+
+
+def test_ratio_to_auto_carries_its_spread_over_windows(bench):
+    """Each window is paired with auto's same window: the table shows the
+    ratio ± the standard error of the windows' mean log ratio."""
+    windows = lambda nlls: [{"nll_mean": v} for v in nlls]  # noqa: E731
+    auto = _cell("m", "auto", ppl={"ppl": 10.0, "windows": windows([2.0, 2.2, 2.4])})
+    tq = _cell(
+        "m",
+        "turboquant_3bit_nc",
+        "boundary:0",
+        ppl={"ppl": 10.3, "windows": windows([2.01, 2.23, 2.41])},
+    )
+    bench.compare_with_auto([auto, tq], {"m": _needle_meta()})
+    vs = tq["ppl"]["windows_vs_auto"]
+    assert vs["mean"] == pytest.approx(0.05 / 3)
+    assert vs["cases"] == 3
+    assert vs["se"] == pytest.approx(
+        statistics.stdev([0.01, 0.03, 0.01]) / math.sqrt(3)
+    )
+    assert bench.kvq_report._ratio(tq["ppl"]) == f"1.0300 ± {vs['se']:.4f}"
+    assert "windows_vs_auto" not in auto["ppl"]
+    # Without windows (older results) the ratio stands alone.
+    assert bench.kvq_report._ratio({"ratio_to_auto": 1.03}) == "1.0300"
 
 
 def test_compare_with_auto_fills_ratio_agreement_and_cases(bench):
