@@ -156,8 +156,9 @@ def answer_summary(scored: Sequence[dict]) -> dict:
 
 def paired_difference(ref: Sequence[float], x: Sequence[float]) -> dict:
     """Mean of ``x - ref`` over paired cases and its standard error: a
-    preset's answer NLL against auto's on the same needle cases, where a
-    binary hit would flip on cases at the boundary."""
+    preset's answer NLL against auto's on the same needle cases (where a
+    binary hit would flip on cases at the boundary), or its per-token NLL
+    against auto's on the same perplexity windows."""
     if len(ref) != len(x) or not x:
         raise ValueError(f"{len(x)} cases paired with {len(ref)}")
     d = [b - a for a, b in zip(ref, x)]
