@@ -372,8 +372,8 @@ def takes_key_offset(cfg) -> bool:
 
 def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
     """The arguments the backend adds to this preset's decode, by its own
-    rules for a layer of this shape: a key offset for 3-bit keys (0027),
-    rotated values (0028); none on a vLLM without those patches."""
+    rules for a layer of this shape: a key offset for 3- and 4-bit MSE keys
+    (0027), rotated values (0028); none on a vLLM without those patches."""
     try:
         from vllm.model_executor.layers.quantization.turboquant import (
             key_offset,
@@ -1065,7 +1065,7 @@ def markdown(meta, rows, bw):
     if offset_rows:
         out += [
             "",
-            "3-bit keys with a key offset (patch 0027: marked keys' scores shifted),"
+            "MSE keys with a key offset (patch 0027: marked keys' scores shifted),"
             " against the same decode without one:",
             "",
             *table_head("case", "batch x context", "KV", "new µs", "with offset µs",
@@ -1081,7 +1081,7 @@ def markdown(meta, rows, bw):
     if served_rows:
         out += [
             "",
-            "The decode as the backend calls it (0027's key offset on 3-bit keys,"
+            "The decode as the backend calls it (0027's key offset on MSE keys,"
             " 0028's rotated values on MSE keys, the output rotated back by the"
             " merge, or in place at one split), against the plain decode above:",
             "",

@@ -3,16 +3,16 @@
 """TurboQuant layers with a key offset store each key the shorter way and
 score every key with the same shift.
 
-``turboquant.key_offset`` gives layers with 3-bit keys a per-KV-head offset
-``mu``. The store keeps a key as ``k - mu`` or, where that is longer, as ``k``
-with its norm's sign bit set; the decodes subtract ``q . mu`` from marked keys
-only; continuations add ``mu`` back to shifted keys and undo the sign of
-marked ones. Checked against stores without an offset, a float64 decode
-reference that reads the marks, and the backend's mixed step fed shifted
-keys. Keys here cluster around ``mu`` with every fifth one (a "sink") near
-the origin, so both kinds are present. Runs under the Triton CPU interpreter
-(``HYBRIDKV_TRITON_INTERPRET=1``; the Gluon stage 1 on NumPy) and natively
-on a GPU.
+``turboquant.key_offset`` gives layers with 3- and 4-bit MSE keys a
+per-KV-head offset ``mu``. The store keeps a key as ``k - mu`` or, where that
+is longer, as ``k`` with its norm's sign bit set; the decodes subtract
+``q . mu`` from marked keys only; continuations add ``mu`` back to shifted
+keys and undo the sign of marked ones. Checked against stores without an
+offset, a float64 decode reference that reads the marks, and the backend's
+mixed step fed shifted keys. Keys here cluster around ``mu`` with every
+fifth one (a "sink") near the origin, so both kinds are present. Runs under
+the Triton CPU interpreter (``HYBRIDKV_TRITON_INTERPRET=1``; the Gluon stage
+1 on NumPy) and natively on a GPU.
 """
 
 import dataclasses
@@ -58,7 +58,7 @@ from vllm.v1.attention.ops import turboquant_decode as tq_decode
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
 
-OFFSET_PRESETS = ["turboquant_3bit_nc", "turboquant_k3v4_nc"]
+OFFSET_PRESETS = ["turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc"]
 
 
 def _keys(n: int, hk: int, d: int, seed: int):
@@ -108,6 +108,7 @@ FIRST_POSITIONS = torch.cat([torch.arange(21), torch.arange(19)])
         ("turboquant_3bit_nc", True, True),
         ("turboquant_k3v4_nc", True, False),
         ("turboquant_k3v4_nc", False, True),
+        ("turboquant_4bit_nc", True, True),
     ],
 )
 def test_store_keeps_each_key_the_shorter_way(preset, scaled, positions, triton_device):
@@ -195,8 +196,8 @@ def _reference(query, cache, table, seq_lens, cfg, mu, key_scale, scale):
     return out
 
 
-def _decode_case(preset, device, scaled, seed=4):
-    d, hk, gqa, blocks = 128, 2, 2, 8
+def _decode_case(preset, device, scaled, seed=4, d=128):
+    hk, gqa, blocks = 2, 2, 8
     seq_lens = [45, 17, 1]
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     k, v, mu = (t.to(device) for t in _keys(blocks * PAGE, hk, d, seed=seed))
@@ -219,6 +220,7 @@ def _decode_case(preset, device, scaled, seed=4):
         ("turboquant_3bit_nc", False, False),
         ("turboquant_k3v4_nc", True, False),
         ("turboquant_k3v4_nc", False, True),
+        ("turboquant_4bit_nc", True, True),
     ],
 )
 def test_triton_decode_shifts_marked_scores(preset, scaled, hadamard, triton_device):
@@ -261,14 +263,15 @@ def test_gluon_decode_shifts_marked_scores(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("preset", OFFSET_PRESETS)
-def test_gluon_decode_shifts_marked_scores_on_the_gpu(preset, triton_device):
+def test_gluon_decode_shifts_marked_scores_on_the_gpu(preset, d, triton_device):
+    """Natively, at both head sizes where 4bit_nc reads 32-bit words."""
     if triton_device != "cuda" or tq_decode.gluon_stage1(torch.device("cuda")) is None:
         pytest.skip("the Gluon stage 1 runs on sm_89+ GPUs")
     cfg, cache, table, seq_lens, query, mu, s = _decode_case(
-        preset, "cuda", scaled=True
+        preset, "cuda", scaled=True, d=d
     )
-    d = query.shape[-1]
     grids = []
     launch = gluon_decode._launch
 
@@ -362,8 +365,12 @@ def _shifted_kv(mu, marked_all: bool):
 
 @pytest.mark.parametrize(
     "preset, marked_all",
-    [("turboquant_3bit_nc", False), ("turboquant_k3v4_nc", True)],
-    ids=["3bit_nc-shifted", "k3v4_nc-marked"],
+    [
+        ("turboquant_3bit_nc", False),
+        ("turboquant_k3v4_nc", True),
+        ("turboquant_4bit_nc", False),
+    ],
+    ids=["3bit_nc-shifted", "k3v4_nc-marked", "4bit_nc-shifted"],
 )
 def test_a_mixed_step_scores_keys_with_one_shift(
     preset,

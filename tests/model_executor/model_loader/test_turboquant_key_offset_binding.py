@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""After the weights load, TurboQuant layers with 3-bit keys hold a zero key
-offset (``turboquant.key_offset``) for the engine's calibration to fill.
+"""After the weights load, TurboQuant layers with 3- or 4-bit MSE keys hold a
+zero key offset (``turboquant.key_offset``) for the engine's calibration to
+fill.
 
-Any 3-bit layer takes one, with or without ``k_norm``; 4-bit and FP8 keys,
+Any such layer takes one, with or without ``k_norm``; FP8 keys,
 non-TurboQuant layers and an engine that runs 0.20.2's decode
 (``VLLM_TURBOQUANT_DECODE=legacy``, which cannot read the mark) get none.
 """
@@ -21,8 +22,10 @@ from vllm.model_executor.layers.quantization.turboquant.key_offset import (
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
 
-@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_k3v4_nc"])
-def test_3bit_layers_take_a_zero_offset(preset):
+@pytest.mark.parametrize(
+    "preset", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_4bit_nc"]
+)
+def test_mse_layers_take_a_zero_offset(preset):
     model = _model(preset)
     process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
     for block in ("0", "1"):
@@ -31,18 +34,17 @@ def test_3bit_layers_take_a_zero_offset(preset):
         assert offset.dtype == torch.float32 and not offset.any()
 
 
-@pytest.mark.parametrize(
-    "cache_dtype", ["turboquant_4bit_nc", "turboquant_k8v4", "auto"]
-)
+@pytest.mark.parametrize("cache_dtype", ["turboquant_k8v4", "auto"])
 def test_other_layers_take_none(cache_dtype):
     model = _model(cache_dtype)
     process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
     assert layer_key_offset(model["0"].attn) is None
 
 
-def test_the_legacy_decode_takes_none(monkeypatch):
+@pytest.mark.parametrize("preset", ["turboquant_3bit_nc", "turboquant_4bit_nc"])
+def test_the_legacy_decode_takes_none(preset, monkeypatch):
     monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "legacy")
-    model = _model("turboquant_3bit_nc")
+    model = _model(preset)
     process_weights_after_loading(model, MODEL_CONFIG, torch.device("cpu"))
     assert layer_key_offset(model["0"].attn) is None
 

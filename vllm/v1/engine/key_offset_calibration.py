@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The engine's start-up prefill that calibrates TurboQuant key offsets.
 
-Layers with 3-bit TurboQuant keys store them shifted by their mean key
+Layers with 3- or 4-bit TurboQuant MSE keys store them shifted by their mean key
 (``turboquant.key_offset``). The mean is the model's own: once the engine is
 built, and before it takes a request, it serves one request of seeded random
 token ids through its scheduler and workers, as any request is served (chunked
@@ -66,8 +66,8 @@ def calibration_prompt(vocab_size: int, length: int, bos: int | None) -> list[in
 
 
 def calibrate_key_offsets(core: "EngineCore") -> None:
-    """Fill the key offsets of every worker's 3-bit TurboQuant layers (a
-    no-op for an engine without any); run once the engine is built."""
+    """Fill the key offsets of every worker's TurboQuant layers that take
+    one (a no-op for an engine without any); run once the engine is built."""
     executor = core.model_executor
     length = calibration_length(core)
     if not any(executor.collective_rpc(start_calibration, args=(length,))):
@@ -76,7 +76,7 @@ def calibrate_key_offsets(core: "EngineCore") -> None:
     if length < MIN_TOKENS or config.parallel_config.data_parallel_size > 1:
         executor.collective_rpc(finish_calibration)
         logger.warning(
-            "TurboQuant: key offsets not calibrated (%s); 3-bit keys are stored "
+            "TurboQuant: key offsets not calibrated (%s); MSE keys are stored "
             "without one, as 0.20.2 stores them.",
             "data parallel engines would step apart"
             if length >= MIN_TOKENS
@@ -115,16 +115,16 @@ def calibrate_key_offsets(core: "EngineCore") -> None:
             f"TurboQuant key offset calibration: the {length}-token calibration "
             f"prefill did not finish in {length + 16} engine steps. The engine's "
             "KV cache or batch limits may not hold it: raise "
-            "--gpu-memory-utilization or --max-num-batched-tokens, or serve a "
-            "preset whose keys are not 3-bit"
+            "--gpu-memory-utilization or --max-num-batched-tokens, or serve "
+            "turboquant_k8v4, whose FP8 keys take no offset"
         )
     unseen = executor.collective_rpc(finish_calibration)
     core.reset_prefix_cache()
     missing = sorted({name for names in unseen for name in names})
     if missing:
         logger.warning(
-            "TurboQuant: %d layers stored no calibration key (%s); their 3-bit "
-            "keys are stored without an offset.",
+            "TurboQuant: %d layers stored no calibration key (%s); their keys "
+            "are stored without an offset.",
             len(missing),
             ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else ""),
         )

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A per-KV-head key offset for TurboQuant's 3-bit keys, calibrated at start.
+"""A per-KV-head key offset for TurboQuant's MSE keys, calibrated at start.
 
 Trained models' post-RoPE keys share a large common component per head: on
 SmolLM2-135M and Gemma-3-270M the mean key is as long as a typical key's
@@ -32,10 +32,10 @@ keys they store. Until then the offsets are zero, which stores exactly what
 a layer without an offset stores. They are fixed for the engine's life, so
 every request, batch and prefix-cache hit stores the same bytes.
 
-Only 3-bit keys take it: 4-bit keys were within 1.02x of ``auto``'s
-perplexity already, where 3-bit keys lost perplexity and needles
-(benchmarks/quality/FINDINGS-3bit.md has what the offset recovers, in
-emulation and on a GPU).
+3- and 4-bit MSE keys take it (FP8 keys are stored by another path, without
+one). At 3 bits it recovers needles and perplexity; at 4 bits, most of the
+perplexity 4-bit keys still lose on Gemma-3-270M
+(benchmarks/quality/FINDINGS-3bit.md has both, in emulation and on a GPU).
 """
 
 import torch
@@ -46,8 +46,8 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# The key widths that take an offset.
-OFFSET_KEY_BITS = (3,)
+# The MSE key widths that take an offset.
+OFFSET_KEY_BITS = (3, 4)
 # The calibration prefill's longest length. A longer prompt averages RoPE's
 # slowly turning pairs over more positions, but models differ in what that
 # gains: on the GPU, 8,192 random ids against 2,048 took SmolLM2's 3-bit
@@ -92,8 +92,8 @@ def fused_kernels_serve(impl) -> bool:
 
 def takes_key_offset(impl) -> bool:
     """Whether a ``TurboQuantAttentionImpl``'s keys are stored with an
-    offset: 3-bit keys of a layer ``fused_kernels_serve`` (0.20.2's kernels
-    cannot read the mark)."""
+    offset: MSE keys of ``OFFSET_KEY_BITS`` in a layer ``fused_kernels_serve``
+    (0.20.2's kernels cannot read the mark)."""
     return (
         not impl.tq_config.key_fp8
         and impl.tq_config.key_mse_bits in OFFSET_KEY_BITS
@@ -143,7 +143,7 @@ def bind_key_offsets(model: nn.Module, device: torch.device | None = None) -> in
         bound += 1
     if bound:
         logger.info_once(
-            "TurboQuant: %d attention layers with 3-bit keys store them shifted by "
+            "TurboQuant: %d attention layers with MSE keys store them shifted by "
             "a per-KV-head key offset, calibrated once at start-up.",
             bound,
         )
