@@ -87,10 +87,14 @@ PRESETS = {
     "k3v4_nc": (3, 4, True),
     "3bit_nc": (3, 3, True),
 }
+# The key-bits code of TurboQuant's inner-product variant (the paper's
+# TurboQuant_prod): a 2-bit MSE code plus a 1-bit sign sketch of its residual.
+QJL_KEY_BITS = 21
 # What --presets takes: vLLM's presets, and configurations vLLM does not
-# have. k4v2_nc: 3bit_nc's bytes spent as 4-bit keys and 2-bit values
-# (issue 46: the 3-bit presets lose needles through their keys).
-CONFIGS = {**PRESETS, "k4v2_nc": (4, 2, True)}
+# have (issue 46: the 3-bit presets lose needles through their keys).
+# k4v2_nc: 3bit_nc's bytes spent as 4-bit keys and 2-bit values; k2j1_nc:
+# 3bit_nc's key bits spent as 2-bit MSE keys and a 1-bit residual sketch.
+CONFIGS = {**PRESETS, "k4v2_nc": (4, 2, True), "k2j1_nc": (QJL_KEY_BITS, 3, True)}
 FP8_E4M3_MAX = 448.0
 
 
@@ -106,13 +110,38 @@ def _centroids(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return c, (c[:-1] + c[1:]) / 2
 
 
+def _sketch_matrix(d: int) -> torch.Tensor:
+    """[d, d] iid N(0, 1) projections of the residual sketch (seeded)."""
+    g = torch.Generator().manual_seed(4321 + d)
+    return torch.randn(d, d, generator=g, dtype=torch.float64)
+
+
+def quant_keys_prod(k: torch.Tensor, nc: bool) -> torch.Tensor:
+    """[..., D] keys -> the keys whose dot product with any query is
+    TurboQuant_prod's estimate: the 2-bit MSE key plus the residual r's
+    1-bit sketch, ``|r| sqrt(pi / 2) / D * S^T sign(S r)`` (QJL: unbiased
+    for every query, its variance spread over all of them). Stored: 3 bits
+    per coordinate and two fp16 norms."""
+    d = k.shape[-1]
+    mse = quant_keys_mse(k, 2, nc)
+    r = k.double() - mse
+    s = _sketch_matrix(d)
+    rn = r.norm(dim=-1, keepdim=True).to(torch.float16).double()
+    return mse + rn * math.sqrt(math.pi / 2) / d * (torch.sign(r @ s.T) @ s)
+
+
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
-    """[..., D] keys -> dequantized keys (float64), as store + decode do."""
+    """[..., D] keys -> dequantized keys (float64), as store + decode do
+    (``QJL_KEY_BITS``: ``quant_keys_prod``)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
     )
 
+    if bits == QJL_KEY_BITS:
+        x = k.double() if signs is None else k.double() * signs
+        out = quant_keys_prod(x, nc)
+        return out if signs is None else out * signs
     d = k.shape[-1]
     c, mids = _centroids(d, bits)
     x = k.double() if signs is None else k.double() * signs

@@ -349,3 +349,25 @@ def test_sliding_layers_attend_to_their_stored_kv(monkeypatch):
     assert torch.equal(e4m3q[0], emu.quant_sliding(q, "e4m3"))
     assert torch.equal(int8[2], emu.quant_sliding(v, "int8pth"))
     assert all(torch.equal(a, b) for a, b in zip(full, (q, k, v)))
+
+
+def test_k2j1_keys_estimate_dot_products_without_bias():
+    """``k2j1_nc``: 2-bit MSE keys plus a 1-bit sign sketch of their
+    residual. Against any query the sketch's term is an unbiased estimate of
+    the residual's dot product, so over many keys the error averages out
+    where the 2-bit code alone leaves the residual's whole share."""
+    torch.manual_seed(0)
+    d, n = 64, 4000
+    k = torch.randn(n, d, dtype=torch.float64)
+    q = torch.randn(d, dtype=torch.float64)
+    exact = k @ q
+    prod = emu.quant_keys_mse(k, emu.QJL_KEY_BITS, True)
+    two_bit = emu.quant_keys_mse(k, 2, True)
+    resid = (k - two_bit) @ q
+    err = prod @ q - exact
+    # The sketch term estimates the residual's dot product: errors that
+    # cancel across keys (|mean| well under the residual's own spread).
+    assert err.mean().abs() < 0.1 * resid.abs().mean()
+    corr = torch.corrcoef(torch.stack([(prod - two_bit) @ q, resid]))[0, 1]
+    assert corr > 0.5, corr
+    assert emu.CONFIGS["k2j1_nc"] == (emu.QJL_KEY_BITS, 3, True)
