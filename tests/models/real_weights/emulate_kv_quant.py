@@ -138,19 +138,18 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         _reference,
     )
 
-    if bits == QJL_KEY_BITS:
-        x = k.double() if signs is None else k.double() * signs
-        out = quant_keys_prod(x, nc)
-        return out if signs is None else out * signs
-    d = k.shape[-1]
-    c, mids = _centroids(d, bits)
     x = k.double() if signs is None else k.double() * signs
-    idx, _, norm = _reference(x, mids)
-    y = c[idx]
-    if nc:
-        y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
-    norm16 = norm.to(torch.float16).double()[..., None]
-    out = (norm16 * y) @ _hadamard(d).double()
+    if bits == QJL_KEY_BITS:
+        out = quant_keys_prod(x, nc)
+    else:
+        d = k.shape[-1]
+        c, mids = _centroids(d, bits)
+        idx, _, norm = _reference(x, mids)
+        y = c[idx]
+        if nc:
+            y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
+        norm16 = norm.to(torch.float16).double()[..., None]
+        out = (norm16 * y) @ _hadamard(d).double()
     return out if signs is None else out * signs
 
 
