@@ -60,6 +60,7 @@ Usage:
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -94,7 +95,20 @@ QJL_KEY_BITS = 21
 # have (issue 46: the 3-bit presets lose needles through their keys).
 # k4v2_nc: 3bit_nc's bytes spent as 4-bit keys and 2-bit values; k2j1_nc:
 # 3bit_nc's key bits spent as 2-bit MSE keys and a 1-bit residual sketch.
-CONFIGS = {**PRESETS, "k4v2_nc": (4, 2, True), "k2j1_nc": (QJL_KEY_BITS, 3, True)}
+# The key-bits codes of a 2-D vector code: each pair of rotated coordinates
+# one of 64 points (6 bits a pair, 3bit_nc's key bits); the mirrored one
+# takes 16 points in the positive quadrant and the pair's two signs, as a
+# kernel's lookup of 16 entries a pair would.
+PAIR_KEY_BITS = 32
+MIRRORED_PAIR_KEY_BITS = 33
+# k3p2_nc, k3p2m_nc: 3bit_nc's key bits spent on those pair codes.
+CONFIGS = {
+    **PRESETS,
+    "k4v2_nc": (4, 2, True),
+    "k2j1_nc": (QJL_KEY_BITS, 3, True),
+    "k3p2_nc": (PAIR_KEY_BITS, 3, True),
+    "k3p2m_nc": (MIRRORED_PAIR_KEY_BITS, 3, True),
+}
 FP8_E4M3_MAX = 448.0
 
 
@@ -130,6 +144,43 @@ def quant_keys_prod(k: torch.Tensor, nc: bool) -> torch.Tensor:
     return mse + rn * math.sqrt(math.pi / 2) / d * (torch.sign(r @ s.T) @ s)
 
 
+@functools.cache
+def _pair_codebook(d: int, mirrored: bool = False) -> torch.Tensor:
+    """[64, 2] points for pairs of a rotated unit key's coordinates: Lloyd's
+    algorithm on seeded pairs of independent N(0, 1/d) coordinates (what the
+    rotation makes them, nearly), started from the 3-bit centroids' 8 x 8
+    grid, so its mean squared error is at most that grid's. ``mirrored``:
+    [16, 2] points fitted to the pairs' magnitudes from the grid's positive
+    quadrant, to be mirrored by the pair's signs."""
+    g = torch.Generator().manual_seed(977 + d)
+    x = torch.randn(200_000, 2, generator=g, dtype=torch.float64) / math.sqrt(d)
+    c, _ = _centroids(d, 3)
+    if mirrored:
+        x, c = x.abs(), c[c > 0]
+    points = torch.cartesian_prod(c, c)
+    for _ in range(40):
+        nearest = torch.cdist(x, points).argmin(1)
+        sums = torch.zeros_like(points).index_add_(0, nearest, x)
+        counts = torch.bincount(nearest, minlength=len(points)).clamp_min(1)
+        points = sums / counts[:, None].double()
+    return points
+
+
+def quant_keys_pairs(y: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
+    """[..., D] rotated unit keys -> each coordinate pair's nearest point of
+    ``_pair_codebook`` (``mirrored``: the nearest of its magnitudes' points,
+    with the pair's signs)."""
+    d = y.shape[-1]
+    points = _pair_codebook(d, mirrored)
+    pairs = y.reshape(-1, 2)
+    signs = torch.where(pairs < 0, -1.0, 1.0).to(pairs.dtype) if mirrored else 1.0
+    pairs = pairs.abs() if mirrored else pairs
+    nearest = torch.cat(
+        [torch.cdist(chunk, points).argmin(1) for chunk in pairs.split(1 << 18)]
+    )
+    return (points[nearest] * signs).reshape(y.shape)
+
+
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
     """[..., D] keys -> dequantized keys (float64), as store + decode do
     (``QJL_KEY_BITS``: ``quant_keys_prod``)."""
@@ -143,9 +194,15 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        c, mids = _centroids(d, bits)
+        pair = bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS)
+        c, mids = _centroids(d, 3 if pair else bits)
         idx, _, norm = _reference(x, mids)
         y = c[idx]
+        if pair:
+            unit = x / (x.norm(dim=-1, keepdim=True) + 1e-8)
+            y = quant_keys_pairs(
+                unit @ _hadamard(d).double(), bits == MIRRORED_PAIR_KEY_BITS
+            )
         if nc:
             y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
         norm16 = norm.to(torch.float16).double()[..., None]

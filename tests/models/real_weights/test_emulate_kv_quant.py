@@ -371,3 +371,32 @@ def test_k2j1_keys_estimate_dot_products_without_bias():
     corr = torch.corrcoef(torch.stack([(prod - two_bit) @ q, resid]))[0, 1]
     assert corr > 0.5, corr
     assert emu.CONFIGS["k2j1_nc"] == (emu.QJL_KEY_BITS, 3, True)
+
+
+def test_k3p2_keys_spend_3bit_nc_bits_on_coordinate_pairs():
+    """``k3p2_nc``: each pair of rotated coordinates one of 64 points (3 bits
+    a coordinate); ``k3p2m_nc`` the same from 16 points of the positive
+    quadrant and the pair's signs. Lloyd's algorithm starts from the 3-bit
+    centroids' grid, so on keys whose rotated coordinates are nearly
+    Gaussian their error is below the scalar code's, and each key takes at
+    most 64 distinct pairs."""
+    torch.manual_seed(0)
+    d = 64
+    k = torch.randn(2000, d, dtype=torch.float64)
+    pair = emu.quant_keys_mse(k, emu.PAIR_KEY_BITS, True)
+    scalar = emu.quant_keys_mse(k, 3, True)
+
+    def err(q):
+        return ((q - k) ** 2).sum(-1).mean() / (k**2).sum(-1).mean()
+
+    mirrored = emu.quant_keys_mse(k, emu.MIRRORED_PAIR_KEY_BITS, True)
+    assert err(pair) < 0.95 * err(scalar), (err(pair), err(scalar))
+    assert err(mirrored) < 0.95 * err(scalar), (err(mirrored), err(scalar))
+    assert len(emu._pair_codebook(d)) == 64
+    assert len(emu._pair_codebook(d, mirrored=True)) == 16
+    assert (emu._pair_codebook(d, mirrored=True) > 0).all()
+    unit = k / k.norm(dim=-1, keepdim=True)
+    rotated = emu.quant_keys_pairs(unit @ emu.hadamard(d))
+    assert len(torch.unique(rotated.reshape(-1, 2), dim=0)) <= 64
+    assert emu.CONFIGS["k3p2_nc"] == (emu.PAIR_KEY_BITS, 3, True)
+    assert emu.CONFIGS["k3p2m_nc"] == (emu.MIRRORED_PAIR_KEY_BITS, 3, True)
