@@ -183,7 +183,8 @@ def quant_keys_pairs(y: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
 
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
     """[..., D] keys -> dequantized keys (float64), as store + decode do
-    (``QJL_KEY_BITS``: ``quant_keys_prod``)."""
+    (``QJL_KEY_BITS``: ``quant_keys_prod``; the pair codes'
+    ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
