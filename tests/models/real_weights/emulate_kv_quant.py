@@ -195,15 +195,16 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        pair = bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS)
-        c, mids = _centroids(d, 3 if pair else bits)
-        idx, _, norm = _reference(x, mids)
-        y = c[idx]
-        if pair:
-            unit = x / (x.norm(dim=-1, keepdim=True) + 1e-8)
+        if bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
+            norm = x.norm(dim=-1)
+            unit = x / (norm[..., None] + 1e-8)
             y = quant_keys_pairs(
                 unit @ _hadamard(d).double(), bits == MIRRORED_PAIR_KEY_BITS
             )
+        else:
+            c, mids = _centroids(d, bits)
+            idx, _, norm = _reference(x, mids)
+            y = c[idx]
         if nc:
             y = y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-16)
         norm16 = norm.to(torch.float16).double()[..., None]
