@@ -49,7 +49,13 @@ class _Rig:
         binder = jit.create_function_from_signature(
             kernel.signature, kernel.params, BaseBackend
         )
-        kernel.device_caches = {0: ({}, {}, None, BaseBackend, binder)}
+        self.binds = 0
+
+        def counted_binder(*args, **kwargs):
+            self.binds += 1
+            return binder(*args, **kwargs)
+
+        kernel.device_caches = {0: ({}, {}, None, BaseBackend, counted_binder)}
         self.compiles = []  # specialization of X, Y, n, stride per JIT launch
         self.launches = []  # arguments of each direct launch
 
@@ -88,6 +94,68 @@ def test_a_repeated_launch_skips_the_jit(rig):
     assert first[6:9] == (None, None, None)  # no launch metadata, no hooks
     # Every parameter in order, the constexpr included, as the JIT passes them.
     assert first[9:] == (x, y, 100, 64, 128)
+
+
+def test_arguments_seen_before_skip_the_binder(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    for _ in range(3):
+        rig(x, y)
+    # Once for the JIT's launch (which binds again), then not again.
+    assert rig.binds == 1
+    assert rig.launcher.direct == 2
+    # Other tensors of the same dtype and alignment: the same key.
+    rig(torch.zeros(256), torch.zeros(256))
+    assert rig.binds == 1 and rig.launcher.direct == 3
+    assert len(rig.compiles) == 1
+
+
+def test_a_bool_where_an_int_was_is_judged_again(rig):
+    """True == 1 and hash(True) == hash(1), but Triton passes a bool as u1
+    and specializes an int 1 into the kernel: the key holds each type."""
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y, n=1)
+    rig(x, y, n=True)
+    assert len(rig.compiles) == 2 and rig.launcher.direct == 0
+
+
+def test_the_launch_key_is_finer_than_tritons_specialization():
+    """Two arguments with one key get one specialization from Triton's own
+    rules (CUDA's and the base backend's), so a launch found by its key
+    runs the kernel the binder would have chosen."""
+    from triton._C.libtriton import native_specialize_impl
+
+    backends = [BaseBackend]
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        backends.append(CUDABackend)
+    except ImportError:
+        pass
+    pool = []
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int32):
+        t = torch.zeros(64, dtype=dtype)
+        pool += [t[i:] for i in range(9)] + [torch.zeros(64, dtype=dtype)]
+    pool += [0, 1, -1, 15, 16, 17, 32, 2**31 - 16, 2**31, 2**32, 2**63, 2**64 - 16]
+    pool += [True, False, 1.0, 0.5, 16.0, None]
+    for backend in backends:
+        by_key = {}
+        for arg in pool:
+            for specialize in (True, False):
+                key = (specialize, compiled_launch.CompiledLaunch._args_key((arg,)))
+                spec = native_specialize_impl(backend, arg, False, specialize, True)
+                assert by_key.setdefault(key, spec) == spec, (
+                    f"{backend.__name__}: {arg!r} has the key of an argument "
+                    f"Triton specializes as {by_key[key]}, but is {spec}"
+                )
+
+
+def test_keys_of_arguments_that_never_repeat_stay_bounded(rig, monkeypatch):
+    monkeypatch.setattr(compiled_launch.CompiledLaunch, "MAX_ARGS_KEYS", 4)
+    x, y = torch.zeros(256), torch.zeros(256)
+    for n in range(5, 325, 16):  # 20 values, none a multiple of 16
+        rig(x, y, n=n)
+    assert len(rig.launcher._by_args) <= 4
+    assert len(rig.compiles) == 1 and rig.launcher.direct == 19
 
 
 @pytest.mark.parametrize(

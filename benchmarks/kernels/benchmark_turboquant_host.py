@@ -29,6 +29,10 @@ against the same metadata without the builder's decode and prefill halves
 rounds interleaved (``paired_host_us``), because host time read in separate
 processes differs by up to half on one machine.
 
+For a decode step it times the forward and the cache update with every
+launch binding its arguments again against launches found by their
+arguments' key (patch 0026, ``launch_keys_saving``), paired the same way.
+
 It also takes three calls apart: one stage 1 launch; the cache update of a
 decode step (the backend's Python, the store kernel's launch by part); and
 the forward of a decode step (its Python and torch ops, with every launch
@@ -479,6 +483,51 @@ def launches_skipped():
         CompiledLaunch.launch = old
 
 
+def _refuse_launch_keys(args):
+    raise TypeError("benchmark: bind every launch")
+
+
+def launch_keys_saving(preset: str, device) -> dict:
+    """Host µs of an eager decode step's forward and cache update (512
+    rows) with every ``CompiledLaunch`` binding its arguments again, as
+    before it kept launch keys (patch 0026), against launches found by
+    their key: paired rounds in one process (``paired_host_us``). The A side
+    refuses each key as an argument that cannot be hashed would; both sides
+    pay the same wrapper."""
+    from vllm.triton_utils.compiled_launch import CompiledLaunch
+
+    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    meta = _tq_builder(8192, device).build(0, cam)
+    n = cam.num_actual_tokens
+    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    keyed = CompiledLaunch.__dict__["_args_key"]
+    refused = staticmethod(_refuse_launch_keys)
+
+    def forward():
+        impl.forward(layer, q, q, q, cache, meta, output=out)
+
+    def update():
+        impl.do_kv_cache_update(layer, k, k, cache, cam.slot_mapping)
+
+    def keys(fn, args_key):
+        def call():
+            CompiledLaunch._args_key = args_key
+            fn()
+
+        return call
+
+    try:
+        return {
+            name: paired_host_us(keys(fn, refused), keys(fn, keyed))
+            for name, fn in (("forward", forward), ("update", update))
+        }
+    finally:
+        CompiledLaunch._args_key = keyed
+
+
 def forward_breakdown(preset: str, device, profile_out=None) -> dict:
     """Host µs of an eager decode step's forward (512 rows): the whole call,
     and the same with its launches skipped (``launches_skipped``); the
@@ -532,6 +581,7 @@ def markdown(
     launch: dict | None = None,
     store: dict | None = None,
     forward: dict | None = None,
+    keys: dict | None = None,
 ) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
@@ -583,6 +633,23 @@ def markdown(
             "Python); the store kernel's launch by part:",
             store,
         )
+    if keys:
+        out += [
+            "",
+            "Decode step (512 rows), one process, rounds interleaved: binding every "
+            "launch's arguments against launches found by their key (patch 0026), "
+            "median (minimum) µs of host time; the saving is the median of paired "
+            "rounds:",
+            "",
+            "| KV | call | binding every launch | by key | saving |",
+            "|---|---|---|---|---|",
+        ]
+        for preset, calls in keys.items():
+            for call, ab in calls.items():
+                out.append(
+                    f"| {preset} | {call} | {ab['a']:,.0f} ({ab['a_min']:,.0f}) "
+                    f"| {ab['b']:,.0f} ({ab['b_min']:,.0f}) | {-ab['b_minus_a']:,.1f} |"
+                )
     if forward:
         out += _parts_table(
             "Host µs of the forward of a decode step (512 rows), by part: the "
@@ -624,6 +691,7 @@ def main(argv=None) -> int:
     launch = {p: launch_breakdown(p, device) for p in args.presets}
     store = {p: store_breakdown(p, device) for p in args.presets}
     forward = {p: forward_breakdown(p, device, prof) for p in args.presets}
+    keys = {p: launch_keys_saving(p, device) for p in args.presets}
     rows = []
     for step in args.steps:
         rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
@@ -636,7 +704,7 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows, launch, store, forward)
+    md = markdown(name, rows, launch, store, forward, keys)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     payload = json.dumps(
         dict(
@@ -646,6 +714,7 @@ def main(argv=None) -> int:
             launch=launch,
             store=store,
             forward=forward,
+            launch_keys=keys,
         ),
         indent=1,
     )

@@ -141,3 +141,44 @@ def test_the_table_shows_what_the_builders_halves_save(bench):
     ]
     md = bench.markdown("H200", rows)
     assert "| turboquant_k8v4 | 285 (243) | 256 (212) | 53 | 38.1 |" in md
+
+
+def test_the_table_shows_what_launch_keys_save(bench):
+    keys = {
+        "turboquant_4bit_nc": dict(
+            forward=dict(a=190.0, a_min=181.0, b=165.0, b_min=158.0, b_minus_a=-24.6),
+            update=dict(a=52.0, a_min=50.0, b=47.0, b_min=45.0, b_minus_a=-5.2),
+        )
+    }
+    md = bench.markdown("H200", [], keys=keys)
+    assert "| turboquant_4bit_nc | forward | 190 (181) | 165 (158) | 24.6 |" in md
+    assert "| turboquant_4bit_nc | update | 52 (50) | 47 (45) | 5.2 |" in md
+
+
+def test_the_launch_key_ab_restores_the_keys(bench, monkeypatch):
+    """Whatever the rounds do, launches are keyed again afterwards."""
+    from vllm.triton_utils.compiled_launch import CompiledLaunch
+
+    keyed = CompiledLaunch.__dict__["_args_key"]
+    seen = []
+
+    def fake_pair(fa, fb):
+        fa()
+        seen.append(CompiledLaunch.__dict__["_args_key"])
+        fb()
+        seen.append(CompiledLaunch.__dict__["_args_key"])
+        raise RuntimeError("round failed")
+
+    monkeypatch.setattr(bench, "paired_host_us", fake_pair)
+    monkeypatch.setattr(bench, "_tq_builder", lambda *a: _Builder())
+    with pytest.raises(RuntimeError, match="round failed"):
+        bench.launch_keys_saving("turboquant_k8v4", torch.device("cpu"))
+    assert seen[0] is not keyed and seen[1] is keyed
+    with pytest.raises(TypeError):
+        seen[0].__func__((1,))
+    assert CompiledLaunch.__dict__["_args_key"] is keyed
+
+
+class _Builder:
+    def build(self, *args):
+        return None

@@ -301,7 +301,11 @@ def test_the_legacy_decode_is_refused(triton_device, monkeypatch):
     )
     monkeypatch.setattr(tq_decode.envs, "VLLM_TURBOQUANT_DECODE", "legacy")
     d = query.shape[-1]
-    with pytest.raises(ValueError, match="Unset VLLM_TURBOQUANT_DECODE=legacy"):
+    # 3- and 4-bit keys take an offset: the way out is FP8 keys.
+    with pytest.raises(
+        ValueError,
+        match="key offset.*Unset VLLM_TURBOQUANT_DECODE=legacy.*turboquant_k8v4",
+    ):
         tq_decode.maybe_decode_attention(
             query, cache, table, torch.tensor(seq_lens, dtype=torch.int32),
             _build_hadamard(d, triton_device),

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.triton_utils import triton
 from vllm.triton_utils.compiled_launch import launcher
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.ops.triton_turboquant_decode import (
     _tq_full_dequant_kv,
@@ -232,7 +232,7 @@ def _dequantize_cached(
         VAL_DATA_BYTES=layout.value_index_bytes,
         MSE_BITS=layout.key_bits,
         KEY_FP8=1 if layout.key_fp8 else 0,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=next_power_of_2(D),
         NORM_CORRECTION=1 if cfg.norm_correction else 0,
         FP8_E4B15=_use_fp8_e4b15(kv_cache.device.index or 0),
         num_warps=4,

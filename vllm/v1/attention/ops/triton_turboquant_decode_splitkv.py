@@ -48,6 +48,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.compiled_launch import launcher
+from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.attention.ops.turboquant_device import (
     programmatic_launch,
     use_fp8_e4b15,
@@ -797,8 +798,8 @@ def rotate_output_back(out: torch.Tensor, rotation: torch.Tensor) -> torch.Tenso
             f"rotate_output_back needs the output's last dimension contiguous, "
             f"got stride {out.stride(-1)}"
         )
-    heads = min(ROTATE_BACK_HEADS, triton.next_power_of_2(Hq))
-    launcher(_tq_rotate_output_back)[(triton.cdiv(Hq, heads), B)](
+    heads = min(ROTATE_BACK_HEADS, next_power_of_2(Hq))
+    launcher(_tq_rotate_output_back)[(cdiv(Hq, heads), B)](
         out,
         rotation,
         Hq,

@@ -31,6 +31,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.compiled_launch import launcher
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_turboquant_rotate_query import _rotated_query_row
 
 _LOG2E = 1.4426950408889634
@@ -296,7 +297,7 @@ class RawWindow:
             query.stride(0), query.stride(1), q_in.stride(0), q_in.stride(1),
             *strides,
             HQ=Hq, GROUP=Hq // Hk, D=D, LOG2_D=D.bit_length() - 1,
-            WINDOW=self.size, WINDOW_PAD=triton.next_power_of_2(self.size),
+            WINDOW=self.size, WINDOW_PAD=next_power_of_2(self.size),
             HAS_KEY_SCALE=key_scale is not None,
             HAS_KEY_OFFSET=key_offset is not None,
             HAS_REQ=self.row_requests is not None,
@@ -320,7 +321,7 @@ class RawWindow:
         launcher(_tq_window)[(B * Hq,)](
             q_in, *args, q_in.stride(0), q_in.stride(1), *strides,
             HQ=Hq, GROUP=Hq // self.key_cache.shape[2], D=D, WINDOW=self.size,
-            WINDOW_PAD=triton.next_power_of_2(self.size),
+            WINDOW_PAD=next_power_of_2(self.size),
             HAS_REQ=self.row_requests is not None,
             num_warps=1 if D <= 128 else (2 if D <= 256 else 4),
         )  # fmt: skip

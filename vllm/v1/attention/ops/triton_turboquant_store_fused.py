@@ -37,6 +37,7 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.compiled_launch import launcher
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15
 from vllm.v1.attention.ops.triton_turboquant_store import (
     _store_quantized_value,
@@ -338,7 +339,7 @@ def turboquant_store_hadamard(
         KPS=key_packed_size,
         VQB=value_quant_bits,
         VAL_DATA_BYTES=layout.value_index_bytes,
-        BLOCK_VAL=triton.next_power_of_2(layout.value_index_bytes),
+        BLOCK_VAL=next_power_of_2(layout.value_index_bytes),
         BLOCK_GRP=D // 8,
         HAS_KEY_SCALE=key_scale is not None,
         HAS_KEY_OFFSET=key_offset is not None,
@@ -427,7 +428,7 @@ def turboquant_store(
             KPS=key_packed_size,
             VQB=value_quant_bits,
             VAL_DATA_BYTES=val_bytes,
-            BLOCK_VAL=triton.next_power_of_2(val_bytes),
+            BLOCK_VAL=next_power_of_2(val_bytes),
             BLOCK_GRP=D // 8,
             FP8_E4B15=_use_fp8_e4b15(key.device.index or 0),
             num_warps=4,

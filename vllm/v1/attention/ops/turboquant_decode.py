@@ -454,7 +454,7 @@ def maybe_decode_attention(
                 other = "drop the recent:W entry from --kv-cache-dtype-skip-layers"
             elif key_offset is not None:
                 what = "keys are stored with a key offset"
-                other = "serve it with a TurboQuant preset whose keys are not 3-bit"
+                other = "serve it with FP8 keys (turboquant_k8v4)"
             else:
                 what = "values are stored rotated"
                 other = "serve it with FP8 keys (turboquant_k8v4)"
