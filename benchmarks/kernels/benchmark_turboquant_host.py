@@ -442,21 +442,34 @@ def captured_store_launch(update, run: bool) -> dict:
     return captured
 
 
+def decode_step_calls(preset: str, device):
+    """The forward and the cache update of one TurboQuant layer in an eager
+    decode step (512 rows), as calls to time."""
+    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
+    impl, layer, cache = _tq_layer(preset, num_pages, device)
+    meta = _tq_builder(8192, device).build(0, cam)
+    n = cam.num_actual_tokens
+    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def forward():
+        impl.forward(layer, q, q, q, cache, meta, output=out)
+
+    def update():
+        impl.do_kv_cache_update(layer, k, v, cache, cam.slot_mapping)
+
+    return forward, update
+
+
 def store_breakdown(preset: str, device) -> dict:
     """Host µs of the cache update of an eager decode step (512 rows), by
     part: the backend's whole ``do_kv_cache_update``; the same with its one
     launch taking no time (the backend's Python alone); the store kernel's
     launch by part (``launch_by_part``, the arguments captured from that
     update)."""
-    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
-    impl, layer, cache = _tq_layer(preset, num_pages, device)
-    n = cam.num_actual_tokens
-    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
-    v = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
-
-    def update():
-        impl.do_kv_cache_update(layer, k, v, cache, cam.slot_mapping)
-
+    _, update = decode_step_calls(preset, device)
     c = captured_store_launch(update, run=True)
     python_only = host_and_gpu_us(
         lambda: captured_store_launch(update, run=False), 100
@@ -496,21 +509,9 @@ def launch_keys_saving(preset: str, device) -> dict:
     pay the same wrapper."""
     from vllm.triton_utils.compiled_launch import CompiledLaunch
 
-    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
-    impl, layer, cache = _tq_layer(preset, num_pages, device)
-    meta = _tq_builder(8192, device).build(0, cam)
-    n = cam.num_actual_tokens
-    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
-    k = torch.randn(n, HK, D, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
+    forward, update = decode_step_calls(preset, device)
     keyed = CompiledLaunch.__dict__["_args_key"]
     refused = staticmethod(_refuse_launch_keys)
-
-    def forward():
-        impl.forward(layer, q, q, q, cache, meta, output=out)
-
-    def update():
-        impl.do_kv_cache_update(layer, k, k, cache, cam.slot_mapping)
 
     def keys(fn, args_key):
         def call():
@@ -532,16 +533,7 @@ def forward_breakdown(preset: str, device, profile_out=None) -> dict:
     """Host µs of an eager decode step's forward (512 rows): the whole call,
     and the same with its launches skipped (``launches_skipped``); the
     difference is what its launches cost the host."""
-    cam, num_pages = _step_metadata(**STEPS["decode"], device=device)
-    impl, layer, cache = _tq_layer(preset, num_pages, device)
-    meta = _tq_builder(8192, device).build(0, cam)
-    n = cam.num_actual_tokens
-    q = torch.randn(n, HQ * D, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-
-    def forward():
-        impl.forward(layer, q, q, q, cache, meta, output=out)
-
+    forward, _ = decode_step_calls(preset, device)
     whole = host_and_gpu_us(forward)[0]
     with launches_skipped():
         python_only = host_and_gpu_us(forward)[0]
