@@ -370,7 +370,7 @@ def takes_key_offset(cfg) -> bool:
     return not cfg.key_fp8 and cfg.key_mse_bits in key_offset.OFFSET_KEY_BITS
 
 
-def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
+def served_extras(cfg, hq: int, hk: int, D: int, device: str = "cuda") -> dict:
     """The arguments the backend adds to this preset's decode, by its own
     rules for a layer of this shape: a key offset for 3- and 4-bit MSE keys
     (0027), rotated values (0028); none on a vLLM without those patches."""
@@ -386,7 +386,7 @@ def served_extras(cfg, hq: int, hk: int, D: int) -> dict:
     )
     extras = {}
     if key_offset.takes_key_offset(layer):
-        extras["key_offset"] = torch.randn(hk, D, device="cuda")
+        extras["key_offset"] = torch.randn(hk, D, device=device)
     if value_rotation.rotates_values(layer):
         extras["value_rotation"] = True
     return extras

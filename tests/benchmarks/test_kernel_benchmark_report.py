@@ -150,7 +150,12 @@ def test_an_unknown_preset_is_named_before_anything_runs():
 
 
 @pytest.mark.parametrize(
-    "script", ["benchmark_turboquant_decode.py", "benchmark_turboquant_store.py"]
+    "script",
+    [
+        "benchmark_turboquant_decode.py",
+        "benchmark_turboquant_store.py",
+        "benchmark_turboquant_readback.py",
+    ],
 )
 @pytest.mark.parametrize(
     "args, named",

@@ -294,11 +294,11 @@ def test_a_misplaced_row_turns_the_check_red(fault, triton_device, flash, monkey
     if fault == "cached tokens not dequantized":
         monkeypatch.setattr(
             batch,
-            "_dequantize_cached",
-            lambda impl, kv, row, cached, *a: (
-                torch.zeros(cached, HK, D, device=kv.device),
-            )
-            * 2,
+            "cached_kv_into",
+            lambda impl, kv, row, cached, pi, c, k_out, v_out, *a: (
+                k_out.zero_(),
+                v_out.zero_(),
+            ),
         )
     # Rows the fault leaves unwritten hold whatever the allocator had: NaN
     # counts as red.
@@ -408,13 +408,13 @@ def test_the_first_forward_compiles_the_continuation_kernels_once(
     continues its prompt. A cache off the GPU has nothing to compile."""
     from vllm.v1.attention.backends import turboquant_prefill_batch as batch
 
-    dequantize, calls = batch._dequantize_cached, []
+    read_back, calls = batch.cached_kv_into, []
 
     def recorded(impl, kv_cache, block_row, cached, *args):
         calls.append((block_row.cpu().numpy().tolist(), cached))
-        return dequantize(impl, kv_cache, block_row, cached, *args)
+        return read_back(impl, kv_cache, block_row, cached, *args)
 
-    monkeypatch.setattr(batch, "_dequantize_cached", recorded)
+    monkeypatch.setattr(batch, "cached_kv_into", recorded)
     run = _run("turboquant_4bit_nc", triton_device, monkeypatch)
     continuation = SEQ_LENS[2] - Q_LENS[2]
     if triton_device != "cuda":

@@ -35,6 +35,10 @@ from vllm.v1.attention.ops.triton_turboquant_decode import (
     _use_fp8_e4b15,
 )
 from vllm.v1.attention.ops.triton_turboquant_rotate_query import rotate_query
+from vllm.v1.attention.ops.triton_turboquant_unpack_cached import (
+    serves as unpack_serves,
+)
+from vllm.v1.attention.ops.triton_turboquant_unpack_cached import unpack_cached
 from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
 from vllm.v1.attention.ops.turboquant_prefill import sdpa_prefill
 from vllm.v1.attention.ops.turboquant_slot_layout import config_slot_layout
@@ -257,6 +261,39 @@ def _dequantize_cached(
     return keys.to(dtype), values.to(dtype)
 
 
+def cached_kv_into(
+    impl,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,  # [1, max_blocks]
+    cached: int,
+    Pi: torch.Tensor,
+    centroids: torch.Tensor,
+    k_out: torch.Tensor,  # [cached, Hk, D] rows of the packed K/V
+    v_out: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
+) -> None:
+    """A request's first ``cached`` tokens' K and V written into ``k_out``
+    and ``v_out``: in one launch (``unpack_cached``) where ``Pi`` is the
+    backend's Hadamard matrix or the keys are FP8, else through
+    ``_dequantize_cached``."""
+    cfg = impl.tq_config
+    if unpack_serves(impl.head_size) and (cfg.key_fp8 or is_backend_hadamard(Pi)):
+        unpack_cached(
+            kv_cache, block_row, cached, centroids, Pi, k_out, v_out,
+            cfg.key_mse_bits, cfg.effective_value_quant_bits, cfg.key_fp8,
+            cfg.norm_correction, key_scale, key_offset, value_rotation,
+        )  # fmt: skip
+        return
+    k, v = _dequantize_cached(
+        impl, kv_cache, block_row, cached, Pi, centroids, k_out.dtype,
+        key_scale, key_offset, value_rotation,
+    )  # fmt: skip
+    k_out[:cached] = k
+    v_out[:cached] = v
+
+
 def unshift_keys(
     keys: torch.Tensor,  # [cached, Hk, D] fp32, dequantized and unscaled
     kv_cache: torch.Tensor,
@@ -283,15 +320,18 @@ def warm_continuation_kernels(
     Pi: torch.Tensor,
     centroids: torch.Tensor,
     dtype: torch.dtype,
+    key_scale: torch.Tensor | None = None,
+    key_offset: torch.Tensor | None = None,
+    value_rotation: bool = False,
 ) -> None:
     """Compile the continuation path's kernels at a layer's first forward.
 
     The engine's warm-up runs (before CUDA graph capture) only see decode
     and first-chunk batches, so without this the first continuation a server
-    meets compiles the dequantization (and, for MSE keys, the rotation) while
-    every request of the step waits. One token of block 0 (vLLM's reserved
-    null block) is dequantized, with the argument shapes, strides and
-    alignments of serving.
+    meets compiles the dequantization while every request of the step waits.
+    One token of block 0 (vLLM's reserved null block) is read back, with the
+    layer's key scale, key offset and value rotation (``prefill_attention``'s)
+    and the argument shapes, strides and alignments of serving.
     """
     if getattr(layer, "_tq_continuation_warm", False) or kv_cache.numel() == 0:
         return
@@ -301,9 +341,13 @@ def warm_continuation_kernels(
     if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     row = torch.zeros_like(block_table[:1])
-    _dequantize_cached(
-        impl, kv_cache, aligned_block_row(row, 0), 1, Pi, centroids, dtype
+    out = torch.empty(
+        2, 1, kv_cache.shape[2], impl.head_size, dtype=dtype, device=kv_cache.device
     )
+    cached_kv_into(
+        impl, kv_cache, aligned_block_row(row, 0), 1, Pi, centroids, out[0], out[1],
+        key_scale, key_offset, value_rotation,
+    )  # fmt: skip
     layer._tq_continuation_warm = True
 
 
@@ -347,20 +391,11 @@ def prefill_attention(
             k_all = k.new_empty(p.tokens, k.shape[1], k.shape[2])
             v_all = v.new_empty(p.tokens, v.shape[1], v.shape[2])
             for c in p.continuations:
-                ck, cv = _dequantize_cached(
-                    impl,
-                    kv_cache,
-                    c.block_row,
-                    c.cached,
-                    Pi,
-                    centroids,
-                    k.dtype,
-                    key_scale,
-                    key_offset,
-                    value_rotation,
-                )
-                k_all[c.row : c.row + c.cached] = ck
-                v_all[c.row : c.row + c.cached] = cv
+                rows = slice(c.row, c.row + c.cached)
+                cached_kv_into(
+                    impl, kv_cache, c.block_row, c.cached, Pi, centroids,
+                    k_all[rows], v_all[rows], key_scale, key_offset, value_rotation,
+                )  # fmt: skip
             k_all.index_copy_(0, p.chunk_rows, k)
             v_all.index_copy_(0, p.chunk_rows, v)
             k, v, cu_k, max_k = k_all, v_all, p.cu_seqlens_k, g.max_seq_len
