@@ -29,28 +29,19 @@ Writes readback-<time>.json and .md to --out DIR, else $OUT, else
 benchmarks/runs/ (git-ignored).
 """
 
-import argparse
-import datetime
 import functools
-import json
 import os
 import sys
-import time
 import types
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_turboquant_decode import (  # noqa: E402
-    DEFAULT_OUT,
     PAGE,
-    PRESETS,
-    Timer,
-    check_iters,
-    copy_bandwidth,
     served_extras,
     store_kwargs,
+    sweep_main,
     tq_config,
     tq_tables,
 )
@@ -245,63 +236,14 @@ def markdown(meta, rows):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--quick", action="store_true", help="2 shapes x 8,192 cached tokens"
-    )
-    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
-    args = ap.parse_args()
-    iters = check_iters(ap, args.iters, args.quick)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    import triton
-
-    import vllm
-
-    start = time.time()
-    timer = Timer(iters, warmup=2)
-    bw = copy_bandwidth(timer)
-    meta = dict(
-        time=datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"
-        ),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        vllm=vllm.__version__,
-        quick=args.quick,
-        copy_bandwidth_gbs=bw / 1e9,
-    )
-    print(f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
-    rows: list[dict] = []
-    try:
-        bench(
-            QUICK_SHAPES if args.quick else SHAPES,
-            QUICK_CACHED if args.quick else CACHED,
-            args.presets,
-            timer,
-            bw,
-            rows,
-            functools.partial(print, flush=True),
-        )
-    except Exception as e:  # noqa: BLE001 - keep what was measured
-        print(f"aborted: {type(e).__name__}: {e}", flush=True)
-        meta["aborted"] = f"{type(e).__name__}: {e}"
-    meta["wall_s"] = round(time.time() - start, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    (out / f"readback-{stamp}.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows), indent=1)
-    )
-    md = markdown(meta, rows)
-    (out / f"readback-{stamp}.md").write_text(md)
-    print(md, flush=True)
-    print(
-        f"wrote {out}/readback-{stamp}.json and .md in {meta['wall_s']} s",
-        flush=True,
+    sweep_main(
+        __doc__,
+        "2 shapes x 8,192 cached tokens",
+        "readback",
+        bench,
+        markdown,
+        full=(SHAPES, CACHED),
+        quick=(QUICK_SHAPES, QUICK_CACHED),
     )
 
 

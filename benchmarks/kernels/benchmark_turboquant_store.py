@@ -20,27 +20,19 @@ Writes store-<time>.json and .md to --out DIR, else $OUT, else benchmarks/runs/
 (git-ignored).
 """
 
-import argparse
-import datetime
 import functools
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_turboquant_decode import (  # noqa: E402
-    DEFAULT_OUT,
     PAGE,
-    PRESETS,
-    Timer,
-    check_iters,
-    copy_bandwidth,
     store_kwargs,
+    sweep_main,
     tq_config,
     tq_tables,
 )
@@ -289,59 +281,15 @@ def markdown(meta, rows):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 shapes x 64/8192 tokens")
-    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
-    args = ap.parse_args()
-    iters = check_iters(ap, args.iters, args.quick)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    import triton
-
-    import vllm
-
-    start = time.time()
-    timer = Timer(iters, warmup=2)
-    bw = copy_bandwidth(timer)
-    meta = dict(
-        time=datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"
-        ),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        vllm=vllm.__version__,
-        quick=args.quick,
-        copy_bandwidth_gbs=bw / 1e9,
+    sweep_main(
+        __doc__,
+        "2 shapes x 64/8192 tokens",
+        "store",
+        bench,
+        markdown,
+        full=(SHAPES, TOKENS),
+        quick=(QUICK_SHAPES, QUICK_TOKENS),
     )
-    print(f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
-    rows: list[dict] = []
-    try:
-        bench(
-            QUICK_SHAPES if args.quick else SHAPES,
-            QUICK_TOKENS if args.quick else TOKENS,
-            args.presets,
-            timer,
-            bw,
-            rows,
-            lambda s: print(s, flush=True),
-        )
-    except Exception as e:  # noqa: BLE001 - keep what was measured
-        print(f"aborted: {type(e).__name__}: {e}", flush=True)
-        meta["aborted"] = f"{type(e).__name__}: {e}"
-    meta["wall_s"] = round(time.time() - start, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    (out / f"store-{stamp}.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows), indent=1)
-    )
-    md = markdown(meta, rows)
-    (out / f"store-{stamp}.md").write_text(md)
-    print(md, flush=True)
-    print(f"wrote {out}/store-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ def _bench():
     return import_benchmark("benchmarks.kernels.benchmark_turboquant_readback")
 
 
+PRESETS = import_benchmark("benchmarks.kernels.benchmark_turboquant_decode").PRESETS
+
+
 class _OneCall:
     """The benchmark's timer, minus the timing: one call, a fixed reading."""
 
@@ -34,7 +37,7 @@ def test_both_read_backs_run_with_every_flag_and_agree():
     bench.bench(
         [("tiny", 4, 2, 64)],  # the smallest head_dim the split-KV decode serves
         [40],  # two pages and a half: the last program is masked
-        bench.PRESETS,
+        PRESETS,
         _OneCall(),
         1e12,
         rows,
@@ -42,9 +45,7 @@ def test_both_read_backs_run_with_every_flag_and_agree():
         device="cpu",
         dtype=torch.float32,
     )
-    assert [r["kv"] for r in rows] == [
-        p.removeprefix("turboquant_") for p in bench.PRESETS
-    ]
+    assert [r["kv"] for r in rows] == [p.removeprefix("turboquant_") for p in PRESETS]
     for r in rows:
         # fp32 out: the passes round through fp16, the one launch does not.
         assert r["diff"] < 2e-3, r
