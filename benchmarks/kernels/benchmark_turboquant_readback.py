@@ -69,6 +69,7 @@ def filled_cache(
     """A paged cache holding ``cached`` random tokens stored as the backend
     stores them with ``extras``, on shuffled pages; and the request's block
     row as the backend hands it over."""
+    from vllm.utils.math_utils import cdiv
     from vllm.v1.attention.backends.turboquant_prefill_batch import (
         aligned_block_row,
     )
@@ -77,7 +78,7 @@ def filled_cache(
     )
 
     g = torch.Generator(device=device).manual_seed(0)
-    blocks = -(-cached // PAGE) + 1  # block 0 is vLLM's null block
+    blocks = cdiv(cached, PAGE) + 1  # block 0 is vLLM's null block
     cache = torch.zeros(
         blocks, PAGE, hk, cfg.slot_size_aligned, dtype=torch.uint8, device=device
     )
