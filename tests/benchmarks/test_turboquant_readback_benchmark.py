@@ -4,6 +4,7 @@
 benchmark_turboquant_readback.py) without a GPU: both read-backs it times,
 run once each under the Triton interpreter, agree, and its report says so."""
 
+import math
 import subprocess
 import sys
 
@@ -80,3 +81,23 @@ def test_the_documented_command_runs_from_the_repo_root_and_needs_a_gpu():
     )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "needs a CUDA GPU" in out.stderr
+
+
+@pytest.mark.triton_interpret
+def test_a_value_row_the_one_launch_leaves_unwritten_shows_in_the_diff(monkeypatch):
+    """Keys right, one value row left NaN: the diff is NaN, not the keys'."""
+    bench = _bench()
+    real = bench.read_back_in_one_launch
+
+    def last_value_row_unwritten(impl, cache, row, cached, c, pit, k_out, v_out, ex):
+        v_all = torch.empty_like(v_out)
+        real(impl, cache, row, cached, c, pit, k_out, v_all, ex)
+        v_out[: cached - 1] = v_all[: cached - 1]
+
+    monkeypatch.setattr(bench, "read_back_in_one_launch", last_value_row_unwritten)
+    rows: list[dict] = []
+    bench.bench(
+        [("tiny", 4, 2, 64)], [40], PRESETS[:1], _OneCall(), 1e12, rows,
+        lambda s: None, device="cpu", dtype=torch.float32,
+    )  # fmt: skip
+    assert math.isnan(rows[0]["diff"])
