@@ -82,6 +82,14 @@ PRESETS = [
 ]
 PAGE = 16
 
+# (label, query heads, KV heads, head_dim) of the layers the store and the
+# read-back are timed on: one of each head_dim the decode cases cover.
+LAYER_SHAPES = [
+    ("Qwen3-4B", 32, 8, 128),
+    ("Qwen3.6-27B", 24, 4, 256),
+    ("Gemma4-31B-full", 32, 4, 512),
+]
+
 # (label, query heads, KV heads, head_dim, batch, context)
 CASES = [
     ("Qwen3-4B", 32, 8, 128, 1, 32768),

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_turboquant_decode import (  # noqa: E402
+    LAYER_SHAPES,
     PAGE,
     served_extras,
     store_kwargs,
@@ -46,12 +47,7 @@ from benchmark_turboquant_decode import (  # noqa: E402
     tq_tables,
 )
 
-# (label, query heads, KV heads, head_dim)
-SHAPES = [
-    ("Qwen3-4B", 32, 8, 128),
-    ("Qwen3.6-27B", 24, 4, 256),
-    ("Gemma4-31B-full", 32, 4, 512),
-]
+SHAPES = LAYER_SHAPES
 CACHED = [2048, 8192]
 QUICK_SHAPES = SHAPES[:2]
 QUICK_CACHED = [8192]
