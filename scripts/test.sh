@@ -51,7 +51,10 @@ beside resolve "$py" -m pytest -q -p no:cacheprovider --basetemp="$scratch/resol
 # core, four processes ran eight on two cores.
 beside prefix env OMP_NUM_THREADS=1 "$VENV/bin/hybridkv" prefix-test --skip-full --jobs 2
 # Its own process: the interpreter must be chosen before Triton and vLLM load.
-beside kernels env HYBRIDKV_TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$py" -m pytest tests/kernels -q -p no:cacheprovider
+# The read-back benchmark's file runs here too: two of its tests drive the
+# kernels (triton_interpret), which the line's run above skips.
+beside kernels env HYBRIDKV_TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$py" -m pytest tests/kernels \
+  tests/benchmarks/test_turboquant_readback_benchmark.py -q -p no:cacheprovider
 
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
 "$VENV/bin/hybridkv" lint
@@ -72,6 +75,6 @@ mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.tx
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
 
-report kernels "Triton kernels under the CPU interpreter (tests/kernels)" 1
+report kernels "Triton kernels under the CPU interpreter (tests/kernels, the read-back benchmark's)" 1
 report prefix "each patch at its place: patches 1..N on pristine vLLM, patch N's tests" 0
 report resolve "fresh pip install of the wheel resolves a set that runs Gemma 4 (PyPI)" 3
