@@ -132,7 +132,7 @@ def read_back_in_one_launch(
 def bench(
     shapes, lengths, presets, timer, bw, rows, log, device="cuda", dtype=torch.bfloat16
 ):
-    from vllm.v1.attention.ops.triton_turboquant_unpack_cached import serves
+    from vllm.v1.attention.ops.turboquant_hadamard import rotates_in_registers
 
     for label, hq, hk, D in shapes:
         for preset in presets:
@@ -162,7 +162,7 @@ def bench(
                 r["old_us"] = timer(passes)
                 r["old_host_us"] = timer.host_us
                 ref = (k_out.float().clone(), v_out.float().clone())
-                if serves(D):
+                if rotates_in_registers(D):
                     k_out.fill_(float("nan"))
                     v_out.fill_(float("nan"))
                     one_launch()

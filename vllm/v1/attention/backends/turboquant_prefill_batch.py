@@ -35,11 +35,11 @@ from vllm.v1.attention.ops.triton_turboquant_decode import (
     _use_fp8_e4b15,
 )
 from vllm.v1.attention.ops.triton_turboquant_rotate_query import rotate_query
-from vllm.v1.attention.ops.triton_turboquant_unpack_cached import (
-    serves as unpack_serves,
-)
 from vllm.v1.attention.ops.triton_turboquant_unpack_cached import unpack_cached
-from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
+from vllm.v1.attention.ops.turboquant_hadamard import (
+    is_backend_hadamard,
+    rotates_in_registers,
+)
 from vllm.v1.attention.ops.turboquant_prefill import sdpa_prefill
 from vllm.v1.attention.ops.turboquant_slot_layout import config_slot_layout
 
@@ -279,7 +279,7 @@ def cached_kv_into(
     backend's Hadamard matrix or the keys are FP8, else through
     ``_dequantize_cached``."""
     cfg = impl.tq_config
-    if unpack_serves(impl.head_size) and (cfg.key_fp8 or is_backend_hadamard(Pi)):
+    if rotates_in_registers(impl.head_size) and (cfg.key_fp8 or is_backend_hadamard(Pi)):
         unpack_cached(
             kv_cache, block_row, cached, centroids, Pi, k_out, v_out,
             cfg.key_mse_bits, cfg.effective_value_quant_bits, cfg.key_fp8,

@@ -17,7 +17,10 @@ import torch
 
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.compiled_launch import launcher
-from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
+from vllm.v1.attention.ops.turboquant_hadamard import (
+    _hadamard_rows,
+    rotates_in_registers,
+)
 
 
 @triton.jit
@@ -105,7 +108,7 @@ def rotate_query_with_offset(
 
 def _rotate(query, PiT, key_scale, offset):
     B, Hq, D = query.shape
-    if D < 16 or D & (D - 1):
+    if not rotates_in_registers(D):
         raise ValueError(
             f"the Hadamard query rotation needs a power-of-two head_dim >= 16, got "
             f"{D}; rotate with query.float() @ PiT instead"

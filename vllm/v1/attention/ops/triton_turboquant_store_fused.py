@@ -43,7 +43,10 @@ from vllm.v1.attention.ops.triton_turboquant_store import (
     _store_quantized_value,
     triton_turboquant_store,
 )
-from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows
+from vllm.v1.attention.ops.turboquant_hadamard import (
+    _hadamard_rows,
+    rotates_in_registers,
+)
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     check_cache_slots,
     check_key_offset,
@@ -298,7 +301,7 @@ def turboquant_store_hadamard(
     codes values (``turboquant.value_rotation``).
     """
     N, H, D = key.shape
-    if D & (D - 1) or D < 16 or mse_bits not in (3, 4):
+    if not rotates_in_registers(D) or mse_bits not in (3, 4):
         raise ValueError(
             "the fused TurboQuant store needs a power-of-two head_dim >= 16 and "
             f"3- or 4-bit MSE keys, got head_dim={D}, mse_bits={mse_bits}; "
@@ -389,7 +392,7 @@ def turboquant_store(
     kernels have no sign bit to read) and rotated values
     (``value_rotation``)."""
     N, H, D = key.shape
-    fused = not key_fp8 and D >= 16 and not D & (D - 1) and mse_bits in (3, 4)
+    fused = not key_fp8 and rotates_in_registers(D) and mse_bits in (3, 4)
     for name, wanted, fix in (
         ("key_offset", key_offset is not None, "bind no offset"),
         ("value_rotation", value_rotation, "store its values unrotated"),
@@ -407,7 +410,7 @@ def turboquant_store(
             "take none"
         )
     check_cache_slots(kv_cache, slot_layout(D, key_fp8, mse_bits, value_quant_bits))
-    pow2 = D >= 16 and not D & (D - 1)
+    pow2 = rotates_in_registers(D)
     if key_fp8 and pow2 and key.stride(-1) == 1 and value.stride(-1) == 1:
         val_bytes = slot_layout(D, True, 0, value_quant_bits).value_index_bytes
         launcher(_tq_store_fp8_strided)[(N * H,)](

@@ -30,7 +30,10 @@ from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import (
     _unpack,
 )
 from vllm.v1.attention.ops.turboquant_device import use_fp8_e4b15
-from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_tile
+from vllm.v1.attention.ops.turboquant_hadamard import (
+    _hadamard_tile,
+    rotates_in_registers,
+)
 from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
 
 # Cached tokens per program: one page of the backend's caches.
@@ -102,20 +105,47 @@ def _tq_unpack_cached(
             marked = norm >= 0x8000
             norm = norm & 0x7FFF
         scale = _fp16_word(norm) * tl.load(Rot_ptr)
-        k = _hadamard_tile(c, BLOCK_N, D, LOG2_D) * scale[:, None]
-        if KEY_SCALE:
-            k = k * tl.load(KeyScale_ptr + d)[None, :]
-        if KEY_OFFSET:
-            mu = tl.load(KeyOffset_ptr + head * D + d)
-            k = tl.where(marked[:, None], k, k + mu[None, :])
 
     w0, w1, w2 = _load_field(KV_ptr, KV_ptr, base, live, VAL_WORDS, VQB, D, False)
     v_scale = _fp16_word(_load_words(KV_ptr, KV_ptr, base, SCALE_WORDS, live, False))
     v_zero = _fp16_word(_load_words(KV_ptr, KV_ptr, base, SCALE_WORDS + 1, live, False))
     v = _unpack(w0, w1, w2, VQB, D, BLOCK_N).to(tl.float32)
     v = v * v_scale[:, None] + v_zero[:, None]
+
+    # Keys and values rotate back as one [2 * BLOCK_N, D] tile: each stage's
+    # exchange between threads is paid once for both.
+    if KEY_FP8:
+        if ROTATE_VALUES:
+            v = _hadamard_tile(v, BLOCK_N, D, LOG2_D)
+    elif ROTATE_VALUES:
+        kv = tl.reshape(tl.permute(tl.join(c, v), (2, 0, 1)), [2 * BLOCK_N, D])
+        kv = tl.reshape(_hadamard_tile(kv, 2 * BLOCK_N, D, LOG2_D), [2, BLOCK_N, D])
+        k, v = tl.split(tl.permute(kv, (1, 2, 0)))
+    else:
+        k = _hadamard_tile(c, BLOCK_N, D, LOG2_D)
     if ROTATE_VALUES:
-        v = _hadamard_tile(v, BLOCK_N, D, LOG2_D) * tl.load(Rot_ptr)
+        v = v * tl.load(Rot_ptr)
+    if not KEY_FP8:
+        k = k * scale[:, None]
+        if KEY_SCALE and KEY_OFFSET:
+            # One [2, D] load for both: loaded apart, the second vector's
+            # layout spreads back over the whole tile (~400 instructions a
+            # thread more, sm_90).
+            two = tl.arange(0, 2)[:, None]
+            sm = tl.load(
+                tl.where(
+                    two == 0,
+                    KeyScale_ptr + d[None, :],
+                    KeyOffset_ptr + head * D + d[None, :],
+                )
+            )
+            ks, mu = tl.split(tl.permute(sm, (1, 0)))
+            k = k * ks[None, :] + tl.where(marked[:, None], 0.0, mu[None, :])
+        elif KEY_SCALE:
+            k = k * tl.load(KeyScale_ptr + d)[None, :]
+        elif KEY_OFFSET:
+            mu = tl.load(KeyOffset_ptr + head * D + d)
+            k = tl.where(marked[:, None], k, k + mu[None, :])
 
     rows = pos.to(tl.int64)[:, None]
     store = live[:, None]
@@ -123,12 +153,6 @@ def _tq_unpack_cached(
     tl.store(k_ptrs, k.to(K_out_ptr.dtype.element_ty), mask=store)
     v_ptrs = V_out_ptr + rows * stride_vt + head * stride_vh + d[None, :]
     tl.store(v_ptrs, v.to(V_out_ptr.dtype.element_ty), mask=store)
-
-
-def serves(head_dim: int) -> bool:
-    """Whether ``unpack_cached`` reads caches of this head size: the
-    in-register rotation needs a power of two from 16."""
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def unpack_cached(
@@ -154,7 +178,7 @@ def unpack_cached(
     values rotated back where ``value_rotation``."""
     num_blocks, page, hk, _ = kv_cache.shape
     D = k_out.shape[-1]
-    if not serves(D):
+    if not rotates_in_registers(D):
         raise ValueError(
             f"unpack_cached rotates in registers and needs a power-of-two "
             f"head_dim >= 16, got {D}; dequantize with 0.20.2's kernel instead"

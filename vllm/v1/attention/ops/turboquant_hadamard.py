@@ -39,6 +39,12 @@ def _hadamard_tile(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr)
     return x
 
 
+def rotates_in_registers(head_dim: int) -> bool:
+    """Whether the in-register transform (``_hadamard_rows``,
+    ``_hadamard_tile``) takes this head size: a power of two from 16."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 # data_ptr of the backend's Hadamard matrix per (head_dim, device name).
 _hadamard_ptrs: dict[tuple[int, str], int] = {}
 
@@ -56,9 +62,9 @@ def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
     """
     if PiT is None or PiT.dim() != 2 or PiT.shape[0] != PiT.shape[1]:
         return False
-    D = PiT.shape[0]
-    if D < 16 or D & (D - 1):
+    if not rotates_in_registers(PiT.shape[0]):
         return False
+    D = PiT.shape[0]
     capturing = PiT.is_cuda and torch.cuda.is_current_stream_capturing()
     for name in {str(PiT.device), PiT.device.type}:
         key = (D, name)

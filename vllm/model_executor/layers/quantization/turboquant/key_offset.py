@@ -70,14 +70,14 @@ def fused_kernels_serve(impl) -> bool:
     ``VLLM_TURBOQUANT_DECODE=legacy`` (0.20.2's kernels read only what
     0.20.2 stores)."""
     from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import supports
+    from vllm.v1.attention.ops.turboquant_hadamard import rotates_in_registers
 
     cfg = impl.tq_config
     d = impl.head_size
     return (
         not cfg.key_fp8
         and cfg.key_mse_bits in (3, 4)
-        and d >= 16
-        and not d & (d - 1)
+        and rotates_in_registers(d)
         and envs.VLLM_TURBOQUANT_DECODE != "legacy"
         and supports(
             d,
