@@ -279,7 +279,9 @@ def cached_kv_into(
     backend's Hadamard matrix or the keys are FP8, else through
     ``_dequantize_cached``."""
     cfg = impl.tq_config
-    if rotates_in_registers(impl.head_size) and (cfg.key_fp8 or is_backend_hadamard(Pi)):
+    if rotates_in_registers(impl.head_size) and (
+        cfg.key_fp8 or is_backend_hadamard(Pi)
+    ):
         unpack_cached(
             kv_cache, block_row, cached, centroids, Pi, k_out, v_out,
             cfg.key_mse_bits, cfg.effective_value_quant_bits, cfg.key_fp8,
