@@ -15,9 +15,10 @@ pay for the host round trips and launches, layer after layer.
 Here the builder plans the prefill part once per step from the host copies
 of the lengths the model runner already has. Each group of requests then
 takes one FlashAttention call over packed K/V: a continuation's cached tokens
-dequantized from the TurboQuant cache (0.20.2's ``_tq_full_dequant_kv``,
-keys rotated back), followed by the chunk's own raw K/V, as 0.20.2's long
-continuation path does per request. Groups keep the packed K/V near the size
+read back from the TurboQuant cache into the model dtype (``unpack_cached``,
+one launch; 0.20.2's dequantization and a pass per step where it cannot),
+followed by the chunk's own raw K/V, as 0.20.2's long continuation path
+does per request. Groups keep the packed K/V near the size
 of the scheduler's token budget, which the startup memory profile covers; a
 single request longer than that is a group of its own.
 """
