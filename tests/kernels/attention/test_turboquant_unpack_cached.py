@@ -22,7 +22,7 @@ from vllm.v1.attention.backends.turboquant_prefill_batch import (
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 from vllm.v1.attention.ops.triton_turboquant_unpack_cached import unpack_cached
 
-D, HK = 64, 2
+HK = 2
 CACHED = 37  # two whole pages and a part
 CASES = [
     # preset, key scale, key offset, values rotated
@@ -32,9 +32,12 @@ CASES = [
     ("turboquant_k3v4_nc", True, True, True),
     ("turboquant_3bit_nc", False, True, True),
 ]
+# The served head sizes launch with their own warps (``_warps``); natively
+# only, the interpreter takes 64.
+HEAD_DIMS = [64, *(pytest.param(d, marks=pytest.mark.gpu) for d in (128, 256, 512))]
 
 
-def _case(preset, scaled, offset, rotated, device):
+def _case(preset, scaled, offset, rotated, device, D):
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
     g = torch.Generator().manual_seed(7)
     blocks = -(-CACHED // PAGE) + 2
@@ -67,7 +70,7 @@ def _case(preset, scaled, offset, rotated, device):
     return cfg, cache, table.to(device), pit, scale, mu
 
 
-def _reference(cfg, cache, table, pit, scale, mu, rotated):
+def _reference(cfg, cache, table, pit, scale, mu, rotated, D):
     """Float64 K/V of the first CACHED tokens, from the packed bytes."""
     pos = torch.arange(CACHED)
     slots = cache.cpu()[table[0, pos // PAGE].long().cpu(), pos % PAGE]
@@ -88,10 +91,11 @@ def _reference(cfg, cache, table, pit, scale, mu, rotated):
     return k, v
 
 
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("preset, scaled, offset, rotated", CASES)
-def test_cached_kv_is_the_model_s_kv(triton_device, preset, scaled, offset, rotated):
+def test_cached_kv_is_the_model_s_kv(triton_device, preset, scaled, offset, rotated, D):
     cfg, cache, table, pit, scale, mu = _case(
-        preset, scaled, offset, rotated, triton_device
+        preset, scaled, offset, rotated, triton_device, D
     )
     centroids = get_centroids(D, cfg.centroid_bits).to(triton_device)
     row = aligned_block_row(table, 0)
@@ -105,7 +109,7 @@ def test_cached_kv_is_the_model_s_kv(triton_device, preset, scaled, offset, rota
         key_offset=None if mu is None else mu.to(triton_device),
         value_rotation=rotated,
     )  # fmt: skip
-    k_ref, v_ref = _reference(cfg, cache, table, pit, scale, mu, rotated)
+    k_ref, v_ref = _reference(cfg, cache, table, pit, scale, mu, rotated, D)
     for got, ref in ((k_out[:CACHED], k_ref), (v_out[:CACHED], v_ref)):
         err = (got.double().cpu() - ref).abs().max() / ref.abs().max()
         assert err < 2e-6, err

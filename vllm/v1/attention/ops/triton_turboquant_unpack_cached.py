@@ -155,6 +155,16 @@ def _tq_unpack_cached(
     tl.store(v_ptrs, v.to(V_out_ptr.dtype.element_ty), mask=store)
 
 
+def _warps(head_dim: int, key_fp8: bool) -> int:
+    # The fastest of 2, 4 and 8 warps on an H200 at 2K and 8K cached tokens
+    # (benchmarks/releases/release-61.md). For MSE keys the tile is an fp32
+    # [2 * BLOCK_N, D] through the rotation; 2 warps at head_dim 256 and 4 at
+    # 512 ran 23 % and 20 % faster than the next best count there.
+    if key_fp8:
+        return 4 if head_dim <= 256 else 8
+    return 2 if head_dim == 256 else 4
+
+
 def unpack_cached(
     kv_cache: torch.Tensor,  # [num_blocks, page, Hk, slot] uint8
     block_row: torch.Tensor,  # [1, >= cdiv(cached, page)] int32
@@ -224,5 +234,5 @@ def unpack_cached(
         KEY_SCALE=key_scale is not None,
         KEY_OFFSET=key_offset is not None,
         ROTATE_VALUES=bool(value_rotation),
-        num_warps=4 if D <= 256 else 8,
+        num_warps=_warps(D, key_fp8),
     )
