@@ -185,13 +185,16 @@ def _run(
     key_scale=None,
     query_scale=None,
     key_offset=None,
+    shared=None,
 ):
     """One step (by default a mixed one) through the builder and forward;
     returns the inputs and the output [tokens, HQ, D]. ``dtype``: the
     model's (bf16 holds the K/V exactly). ``step`` makes the step's metadata
     from the block table; ``make_kv(n, device)`` a sequence's K and V.
     ``key_scale`` is the layer's (``_tq_key_scale``), ``key_offset`` its
-    ``_tq_key_offset``; the query is multiplied by ``query_scale``."""
+    ``_tq_key_offset``; the query is multiplied by ``query_scale``.
+    ``shared=(tokens, rows)``: those requests hold one prefix of ``tokens``
+    tokens on the same pages, as prefix-cache hits do."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
@@ -212,11 +215,20 @@ def _run(
     for row, n in enumerate(pages):
         table[row, :n] = torch.tensor(free[:n], dtype=torch.int32)
         free = free[n:]
+    if shared is not None:
+        first, *others = shared[1]
+        table[others, : shared[0] // PAGE] = table[first, : shared[0] // PAGE]
     table = table.to(device)
 
     # Every request's whole sequence, stored as the earlier steps and this
     # step's cache update would have.
     seqs = [tuple(t.to(dtype) for t in make_kv(s, device)) for s in seq_lens]
+    if shared is not None:
+        n, (first, *others) = shared
+        for r in others:
+            seqs[r] = tuple(
+                torch.cat([a[:n], b[n:]]) for a, b in zip(seqs[first], seqs[r])
+            )
     k_all = torch.cat([k for k, _ in seqs])
     v_all = torch.cat([v for _, v in seqs])
     impl._ensure_on_device(layer, torch.device(device))
@@ -304,6 +316,81 @@ def test_a_misplaced_row_turns_the_check_red(fault, triton_device, flash, monkey
     # counts as red.
     err = _error(_run("turboquant_k8v4", triton_device, monkeypatch))
     assert math.isnan(err) or err > 100 * TOL, err
+
+
+# Requests A, E, B, D, C: A, E and C continue one 48-token prefix on the
+# same pages; B is a first chunk and D a continuation of its own. A budget of
+# 54 tokens makes the groups A | E | B + D | C, so B's raw rows overwrite the
+# packed rows A's and E's prefix was read back into before C reads it.
+SHARED_Q, SHARED_SEQ, SHARED = [5, 6, 20, 4, 6], [53, 54, 20, 20, 54], (48, [0, 1, 4])
+
+
+def _shared_step(preset, device, monkeypatch, spy=None):
+    from vllm.v1.attention.backends import turboquant_prefill_batch as batch
+
+    if spy is not None:
+        monkeypatch.setattr(batch, "unpack_cached", spy(batch.unpack_cached))
+    return _run(
+        preset, device, monkeypatch, group_tokens=54, q_lens=SHARED_Q,
+        seq_lens=SHARED_SEQ, shared=SHARED,
+    )  # fmt: skip
+
+
+def test_continuations_on_one_prefix_read_its_tiles_once(
+    triton_device, flash, monkeypatch
+):
+    """E's prefix tiles are still in the packed rows from A's read-back: the
+    cache is garbled while E reads it back, and E's rows stay right. C comes
+    after B's raw rows overwrote them, and reads its tiles again. (k8v4, for
+    float64; the MSE flags' held tiles: test_turboquant_unpack_cached.py.)"""
+    preset = "turboquant_k8v4"
+    from vllm.v1.attention.backends import turboquant_prefill_batch as batch
+
+    reads = []
+
+    def spy(unpack):
+        def read_back(kv_cache, block_row, cached, *args):
+            if cached == 1:  # the first forward's warm-up
+                return unpack(kv_cache, block_row, cached, *args)
+            reads.append(args[-2] is not None)  # held
+            if len(reads) == 2:  # E: every tile of its prefix garbled
+                prefix = block_row[0, : SHARED[0] // PAGE].long()
+                kept = kv_cache[prefix].clone()
+                kv_cache[prefix] = 0x5A
+                unpack(kv_cache, block_row, cached, *args)
+                kv_cache[prefix] = kept
+                return
+            unpack(kv_cache, block_row, cached, *args)
+
+        return read_back
+
+    run = _shared_step(preset, triton_device, monkeypatch, spy)
+    assert flash.calls == 4
+    assert reads == [True] * 4, reads
+
+    monkeypatch.setattr(batch, "_keeps_held_tiles", lambda *a: False)
+    apart = _shared_step(preset, triton_device, monkeypatch)
+    torch.testing.assert_close(run.out, apart.out, rtol=0, atol=0)
+    assert _error(run) < TOL
+
+
+def test_rows_a_chunk_overwrote_are_read_again(triton_device, flash, monkeypatch):
+    """The check above turns red when the chunks' rows are not marked: C
+    then takes B's raw K/V for its prefix."""
+    from vllm.v1.attention.backends import turboquant_prefill_batch as batch
+
+    plan = batch.plan_prefill_batch
+
+    def unmarked(*args):
+        planned = plan(*args)
+        for g in planned.groups:
+            if g.packed is not None:
+                g.packed.chunk_tiles = g.packed.chunk_tiles[:0]
+        return planned
+
+    monkeypatch.setattr(turboquant_attn, "plan_prefill_batch", unmarked)
+    err = _error(_shared_step("turboquant_k8v4", triton_device, monkeypatch))
+    assert err > 100 * TOL, err
 
 
 def test_a_draft_models_first_pass_reads_its_whole_context(

@@ -37,11 +37,11 @@ CASES = [
 HEAD_DIMS = [64, *(pytest.param(d, marks=pytest.mark.gpu) for d in (128, 256, 512))]
 
 
-def _case(preset, scaled, offset, rotated, device, D):
+def _case(preset, scaled, offset, rotated, device, D, page=PAGE):
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
     g = torch.Generator().manual_seed(7)
-    blocks = -(-CACHED // PAGE) + 2
-    n = blocks * PAGE
+    blocks = -(-CACHED // page) + 2
+    n = blocks * page
     mu = 2.0 * torch.randn(HK, D, generator=g) if offset else None
     k = torch.randn(n, HK, D, generator=g) + (mu if offset else 0.0)
     # Every fifth token a sequence's first (the store's positions below),
@@ -49,7 +49,7 @@ def _case(preset, scaled, offset, rotated, device, D):
     k[::5] = 0.3 * torch.randn(k[::5].shape, generator=g)
     v = torch.randn(n, HK, D, generator=g)
     scale = 0.5 + torch.rand(D, generator=g) if scaled else None
-    cache = torch.zeros(blocks, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8)
+    cache = torch.zeros(blocks, page, HK, cfg.slot_size_aligned, dtype=torch.uint8)
     cache, k, v = cache.to(device), k.to(device), v.to(device)
     pit = _build_hadamard(D, str(device))
     c, _ = get_centroids(D, cfg.centroid_bits).float().sort()
@@ -66,7 +66,7 @@ def _case(preset, scaled, offset, rotated, device, D):
         ((c[:-1] + c[1:]) / 2).to(device), **store_kwargs(cfg), **extra,
     )  # fmt: skip
     # Pages out of order, page 0 unused (vLLM's null block).
-    table = torch.tensor([[3, 1, 2, 0]][:1], dtype=torch.int32)[:, : -(-CACHED // PAGE)]
+    table = torch.tensor([[3, 1, 2, 0]][:1], dtype=torch.int32)[:, : -(-CACHED // page)]
     return cfg, cache, table.to(device), pit, scale, mu
 
 
@@ -136,3 +136,66 @@ def test_a_head_size_it_cannot_rotate_is_refused(triton_device):
             torch.zeros(16, device=triton_device), torch.eye(48, device=triton_device),
             out, out, cfg.key_mse_bits, 4, False, True,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [PAGE, 2 * PAGE])
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_a_tile_the_packed_rows_hold_is_not_read_again(triton_device, preset, page):
+    """With ``held``, the whole tiles written are recorded by cache tile
+    (block x page / 16 + place in the block / 16) and a second read-back of
+    the same blocks into the same rows leaves them: it sees a garbled cache
+    and the rows stay right. Rows off the tile grid record nothing whole."""
+    D = 64
+    mse = preset != "turboquant_k8v4"
+    cfg, cache, table, pit, scale, mu = _case(
+        preset, mse, mse, mse, triton_device, D, page
+    )
+    centroids = get_centroids(D, cfg.centroid_bits).to(triton_device)
+    row = aligned_block_row(table, 0)
+
+    def read_back(kv, k_out, v_out, cached=CACHED, **held):
+        unpack_cached(
+            kv, row, cached, centroids, pit, k_out, v_out, cfg.key_mse_bits,
+            cfg.effective_value_quant_bits, cfg.key_fp8, cfg.norm_correction,
+            key_scale=None if scale is None else scale.to(triton_device),
+            key_offset=None if mu is None else mu.to(triton_device),
+            value_rotation=mse, **held,
+        )  # fmt: skip
+
+    want = [torch.empty(CACHED, HK, D, device=triton_device) for _ in range(2)]
+    read_back(cache, *want)
+    rows = [torch.full((64, HK, D), 7.0, device=triton_device) for _ in range(2)]
+    held = torch.full((5, HK), -1, dtype=torch.int32, device=triton_device)
+    read_back(cache, *rows, held=held, row0=0)
+    tiles = [
+        int(table[0, t * 16 // page]) * (page // 16) + t * 16 % page // 16
+        for t in range(CACHED // 16)
+    ]
+    assert held.cpu().tolist() == [[t] * HK for t in tiles] + [[-1] * HK] * 3
+    garbled = cache.clone()
+    garbled[table[0, : CACHED // page].long()] = 0x5A  # the whole tiles' blocks
+    read_back(garbled, *rows, held=held, row0=0)
+    for got, ref in zip(rows, want):
+        torch.testing.assert_close(got[:CACHED], ref, rtol=0, atol=0)
+
+    read_back(cache, rows[0][5:], rows[1][5:], cached=20, held=held, row0=5)
+    assert (held.cpu() == -1).all()
+
+
+def test_held_tiles_need_whole_tiles_in_a_page(triton_device):
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", 64)
+    out = torch.empty(4, HK, 64, device=triton_device)
+    for page, held, match in (
+        (8, torch.full((2, HK), -1, dtype=torch.int32), "8-token page"),
+        (16, torch.full((2, HK), -1), "torch.int64"),
+        (16, torch.full((1, HK), -1, dtype=torch.int32), ">= 2 rows"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            unpack_cached(
+                torch.zeros(2, page, HK, cfg.slot_size_aligned, dtype=torch.uint8,
+                            device=triton_device),
+                torch.zeros(1, 4, dtype=torch.int32, device=triton_device), 4,
+                torch.zeros(16, device=triton_device),
+                torch.eye(64, device=triton_device), out, out, cfg.key_mse_bits, 4,
+                False, True, held=held.to(triton_device), row0=0,
+            )  # fmt: skip

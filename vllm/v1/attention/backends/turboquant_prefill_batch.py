@@ -36,7 +36,10 @@ from vllm.v1.attention.ops.triton_turboquant_decode import (
     _use_fp8_e4b15,
 )
 from vllm.v1.attention.ops.triton_turboquant_rotate_query import rotate_query
-from vllm.v1.attention.ops.triton_turboquant_unpack_cached import unpack_cached
+from vllm.v1.attention.ops.triton_turboquant_unpack_cached import (
+    BLOCK_N,
+    unpack_cached,
+)
 from vllm.v1.attention.ops.turboquant_hadamard import (
     is_backend_hadamard,
     rotates_in_registers,
@@ -62,6 +65,7 @@ class PackedKV:
     tokens: int  # rows of the packed K/V: the group's summed seq_lens
     cu_seqlens_k: torch.Tensor  # [requests + 1] int32
     chunk_rows: torch.Tensor  # [group tokens] int64: packed row of each chunk token
+    chunk_tiles: torch.Tensor  # [group tokens] int64: chunk_rows // BLOCK_N
 
 
 @dataclass
@@ -85,6 +89,11 @@ class PrefillGroup:
 class PrefillBatch:
     groups: tuple[PrefillGroup, ...]
     max_seq_len: int  # over the prefill requests; exact
+    # Two or more continuations may hold the same cached blocks (prefix-cache
+    # hits on one prefix): the packed rows of every group are then one
+    # buffer, and a tile read back for one is not read again for the next.
+    shared_reads: bool = False
+    packed_rows: int = 0  # the most packed rows of a group
 
 
 def aligned_block_row(block_table: torch.Tensor, row: int) -> torch.Tensor:
@@ -174,16 +183,22 @@ def plan_prefill_batch(
             shift = (cu_k[1:] - cu_q[1:]).to(torch.int64)
             n_tok = group.tok_end - group.tok_start
             q_len_dev = cu_q[1:] - cu_q[:-1]
+            chunk_rows = torch.arange(n_tok, device=cu_q.device)
+            chunk_rows += torch.repeat_interleave(shift, q_len_dev, output_size=n_tok)
             group.packed = PackedKV(
                 continuations=tuple(continuations),
                 tokens=row,
                 cu_seqlens_k=cu_k,
-                chunk_rows=torch.arange(n_tok, device=cu_q.device)
-                + torch.repeat_interleave(shift, q_len_dev, output_size=n_tok),
+                chunk_rows=chunk_rows,
+                chunk_tiles=chunk_rows // BLOCK_N,
             )
         groups.append(group)
+    packed = [g.packed for g in groups if g.packed is not None]
     return PrefillBatch(
-        groups=tuple(groups), max_seq_len=max(seq_lens[num_decodes:num_reqs])
+        groups=tuple(groups),
+        max_seq_len=max(seq_lens[num_decodes:num_reqs]),
+        shared_reads=sum(len(p.continuations) for p in packed) > 1,
+        packed_rows=max((p.tokens for p in packed), default=0),
     )
 
 
@@ -262,6 +277,20 @@ def _dequantize_cached(
     return keys.to(dtype), values.to(dtype)
 
 
+def _reads_in_one_launch(impl, Pi: torch.Tensor) -> bool:
+    """Whether ``unpack_cached`` reads this layer's cache back: ``Pi`` is
+    the backend's Hadamard matrix or the keys are FP8."""
+    return rotates_in_registers(impl.head_size) and (
+        impl.tq_config.key_fp8 or is_backend_hadamard(Pi)
+    )
+
+
+def _keeps_held_tiles(impl, Pi: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether a step's read-backs can share tiles: one launch reads them
+    back and each of its tiles lies in one page of the cache."""
+    return kv_cache.shape[1] % BLOCK_N == 0 and _reads_in_one_launch(impl, Pi)
+
+
 def cached_kv_into(
     impl,
     kv_cache: torch.Tensor,
@@ -274,21 +303,27 @@ def cached_kv_into(
     key_scale: torch.Tensor | None = None,
     key_offset: torch.Tensor | None = None,
     value_rotation: bool = False,
+    held: torch.Tensor | None = None,
+    row0: int = 0,
 ) -> None:
     """A request's first ``cached`` tokens' K and V written into ``k_out``
-    and ``v_out``: in one launch (``unpack_cached``) where ``Pi`` is the
-    backend's Hadamard matrix or the keys are FP8, else through
-    ``_dequantize_cached``."""
+    and ``v_out``: in one launch (``unpack_cached``, which takes ``held``
+    and ``row0``) where ``_reads_in_one_launch``, else through
+    ``_dequantize_cached`` (``held`` must then be None)."""
     cfg = impl.tq_config
-    if rotates_in_registers(impl.head_size) and (
-        cfg.key_fp8 or is_backend_hadamard(Pi)
-    ):
+    if _reads_in_one_launch(impl, Pi):
         unpack_cached(
             kv_cache, block_row, cached, centroids, Pi, k_out, v_out,
             cfg.key_mse_bits, cfg.effective_value_quant_bits, cfg.key_fp8,
             cfg.norm_correction, key_scale, key_offset, value_rotation,
+            held, row0,
         )  # fmt: skip
         return
+    if held is not None:
+        raise ValueError(
+            "held tiles are kept by the one-launch read-back only; this layer "
+            "reads its cache back through _dequantize_cached: pass held=None"
+        )
     k, v = _dequantize_cached(
         impl, kv_cache, block_row, cached, Pi, centroids, k_out.dtype,
         key_scale, key_offset, value_rotation,
@@ -347,10 +382,20 @@ def warm_continuation_kernels(
     out = torch.empty(
         2, 1, kv_cache.shape[2], impl.head_size, dtype=dtype, device=kv_cache.device
     )
-    cached_kv_into(
-        impl, kv_cache, aligned_block_row(row, 0), 1, Pi, centroids, out[0], out[1],
-        key_scale, key_offset, value_rotation,
-    )  # fmt: skip
+    row = aligned_block_row(row, 0)
+    args = (key_scale, key_offset, value_rotation)
+    cached_kv_into(impl, kv_cache, row, 1, Pi, centroids, out[0], out[1], *args)
+    if _keeps_held_tiles(impl, Pi, kv_cache):
+        # Steps with several continuations keep a map of the tiles read back;
+        # the variants for rows on and off the tile grid.
+        held = torch.full(
+            (3, kv_cache.shape[2]), -1, dtype=torch.int32, device=kv_cache.device
+        )
+        for row0 in (0, 1):
+            cached_kv_into(
+                impl, kv_cache, row, 1, Pi, centroids, out[0], out[1], *args,
+                held, row0,
+            )  # fmt: skip
     layer._tq_continuation_warm = True
 
 
@@ -378,12 +423,27 @@ def prefill_attention(
     its keys are stored divided by it (cached keys are multiplied back);
     ``key_offset`` the same for a layer whose keys are stored shifted,
     ``value_rotation`` for one whose values are stored rotated.
+
+    With two or more continuations in the batch every group's packed K/V
+    is one buffer, whose ``held`` map lets a continuation skip the tiles an
+    earlier one read back into the same rows (the same prefix blocks from
+    row 0, as prefix-cache hits that are groups of their own have them);
+    each group's raw chunk rows are marked as holding no tile.
     """
     attend: Callable[..., torch.Tensor] = (
         impl._flash_attn_varlen if has_flash_attn else sdpa_prefill(impl)
     )
     if out is None:
         out = torch.empty_like(query)
+    hk, d = key.shape[1], key.shape[2]
+    held = None
+    if batch.shared_reads and _keeps_held_tiles(impl, Pi, kv_cache):
+        k_rows = key.new_empty(batch.packed_rows, hk, d)
+        v_rows = value.new_empty(batch.packed_rows, hk, d)
+        held = torch.full(
+            (batch.packed_rows // BLOCK_N + 2, hk), -1, dtype=torch.int32,
+            device=key.device,
+        )  # fmt: skip
     for g in batch.groups:
         q = query[g.tok_start : g.tok_end]
         k = key[g.tok_start : g.tok_end]
@@ -391,16 +451,22 @@ def prefill_attention(
         cu_k, max_k = g.cu_seqlens_q, g.max_query_len
         p = g.packed
         if p is not None:
-            k_all = k.new_empty(p.tokens, k.shape[1], k.shape[2])
-            v_all = v.new_empty(p.tokens, v.shape[1], v.shape[2])
+            if held is None:
+                k_all = k.new_empty(p.tokens, hk, d)
+                v_all = v.new_empty(p.tokens, hk, d)
+            else:
+                k_all, v_all = k_rows[: p.tokens], v_rows[: p.tokens]
             for c in p.continuations:
                 rows = slice(c.row, c.row + c.cached)
                 cached_kv_into(
                     impl, kv_cache, c.block_row, c.cached, Pi, centroids,
                     k_all[rows], v_all[rows], key_scale, key_offset, value_rotation,
+                    held, c.row,
                 )  # fmt: skip
             k_all.index_copy_(0, p.chunk_rows, k)
             v_all.index_copy_(0, p.chunk_rows, v)
+            if held is not None:
+                held.index_fill_(0, p.chunk_tiles, -1)
             k, v, cu_k, max_k = k_all, v_all, p.cu_seqlens_k, g.max_seq_len
         attend(
             q=q,
