@@ -498,17 +498,21 @@ def test_the_first_forward_compiles_the_continuation_kernels_once(
     read_back, calls = batch.cached_kv_into, []
 
     def recorded(impl, kv_cache, block_row, cached, *args):
-        calls.append((block_row.cpu().numpy().tolist(), cached))
+        # args: Pi, centroids, k_out, v_out, key_scale, key_offset,
+        # value_rotation, then held and row0 where the caller passes them.
+        held_row0 = args[8] if len(args) > 8 and args[7] is not None else None
+        calls.append((block_row.cpu().numpy().tolist(), cached, held_row0))
         return read_back(impl, kv_cache, block_row, cached, *args)
 
     monkeypatch.setattr(batch, "cached_kv_into", recorded)
     run = _run("turboquant_4bit_nc", triton_device, monkeypatch)
     continuation = SEQ_LENS[2] - Q_LENS[2]
     if triton_device != "cuda":
-        assert [cached for _, cached in calls] == [continuation]
+        assert [c[1:] for c in calls] == [(continuation, None)]
         assert not getattr(run.layer, "_tq_continuation_warm", False)
         return
-    # The step's continuation, after one token of the null block.
-    assert [cached for _, cached in calls] == [1, continuation]
+    # The step's continuation, after one token of the null block read back
+    # alone and into a map of held tiles, on the tile grid and off it.
+    assert [c[1:] for c in calls] == [(1, None), (1, 0), (1, 1), (continuation, None)]
     assert calls[0][0] == [[0] * 4]  # the table width (3) rounded up to 4
     assert run.layer._tq_continuation_warm
