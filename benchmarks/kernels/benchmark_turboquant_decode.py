@@ -35,60 +35,31 @@ benchmarks/runs/ (git-ignored; release summaries go to benchmarks/releases/).
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import functools
-import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
-import types
 import unittest.mock
-from pathlib import Path
 
 import torch
 
-# Where results go without --out or $OUT: a git-ignored folder of the checkout.
-# Raw runs are not committed; a release's summary table is (benchmarks/releases/).
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "runs"
-
-
-@functools.cache
-def packed_slots():
-    """The float64 decoding of packed slots and the preset-argument decode
-    call that the kernel tests use too (tests/kernels/attention/
-    turboquant_packed.py), from this checkout: run as a file, only the
-    script's own folder is on sys.path. Loaded after the arguments are read:
-    it imports vLLM, ~10 s that a mistyped flag should not wait for."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.kernels.attention import turboquant_packed
-
-    return turboquant_packed
-
-
-def store_kwargs(cfg):
-    """The preset's packed-slot constants as the store kernels take them (the
-    tests' definition, tests/kernels/attention/turboquant_store_args.py)."""
-    return packed_slots().store_kwargs(cfg)
-
-
-PRESETS = [
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
-]
-PAGE = 16
-
-# (label, query heads, KV heads, head_dim) of the layers the store and the
-# read-back are timed on: one of each head_dim the decode cases cover.
-LAYER_SHAPES = [
-    ("Qwen3-4B", 32, 8, 128),
-    ("Qwen3.6-27B", 24, 4, 256),
-    ("Gemma4-31B-full", 32, 4, 512),
-]
+# Run as a file, only the script's own folder is on sys.path; imported as
+# benchmarks.kernels.benchmark_turboquant_decode (the tests), it is not.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_run import DEFAULT_OUT, check_iters, run_meta, write_run  # noqa: E402
+from gpu_timer import Timer, copy_bandwidth  # noqa: E402
+from turboquant_layer_setup import (  # noqa: E402
+    PAGE,
+    PRESETS,
+    packed_slots,
+    served_extras,
+    store_kwargs,
+    takes_key_offset,
+    tq_config,
+    tq_tables,
+)
 
 # (label, query heads, KV heads, head_dim, batch, context)
 CASES = [
@@ -153,169 +124,6 @@ SWEEP_POINTS = {
 STORE_TOKENS = [64, 8192]
 
 
-def tq_config(preset, head_dim):
-    from vllm.model_executor.layers.quantization.turboquant.config import (
-        TurboQuantConfig,
-    )
-
-    return TurboQuantConfig.from_cache_dtype(preset, head_dim)
-
-
-def launched_in_time(gpu_us, host_us, sleep_us: float) -> list[float]:
-    """The GPU times of the samples whose launch (``host_us``, from the start
-    event to the call's return) ended within the sleep queued ahead of them
-    (``sleep_us``). In a later one the GPU waited for the host inside the
-    timed interval, which then measured the launch, not the kernels."""
-    return [g for g, h in zip(gpu_us, host_us) if h < sleep_us]
-
-
-class Timer:
-    """GPU time of a call: CUDA events around it, L2 flushed before it, and
-    the GPU kept busy while the host launches it, so a slow Python launch
-    path does not show up as kernel time (decode steps replay CUDA graphs).
-    The host's launch time is kept apart (``host_us``); samples launched
-    after the sleep ended are dropped (``late``)."""
-
-    # ~1 ms of GPU sleep ahead of each timed call. The decode's launch path
-    # took 120-610 us (release 19's table), so a burst of slow launches could
-    # outlast it: single medians of 632-1,180 us were read where the kernels
-    # took 58-136 us, once in ~50 readings (release 19; benchmarks/NOTES.md,
-    # "Measurement pitfalls"); whether late launches caused them was not checked.
-    SLEEP_CYCLES = 2_000_000
-
-    def __init__(self, iters: int, warmup: int):
-        self.iters, self.warmup = iters, warmup
-        # Larger than H100/H200 L2 (50/60 MB): every timed call starts cold.
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        self.host_us: float | None = None
-        self.late = 0
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        torch.cuda._sleep(self.SLEEP_CYCLES)  # clocks up before the reading
-        start.record()
-        torch.cuda._sleep(self.SLEEP_CYCLES)
-        end.record()
-        torch.cuda.synchronize()
-        self.sleep_us = start.elapsed_time(end) * 1e3
-
-    def __call__(self, fn) -> float:
-        """Median microseconds of fn() on the GPU over the samples launched
-        in time (all of them, and ``late`` says so, if none was); median host
-        launch time of fn() in ``self.host_us``."""
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        host = []
-        for s, e in zip(starts, ends):
-            torch.cuda._sleep(self.SLEEP_CYCLES)
-            self.flush.zero_()
-            s.record()
-            t = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t) * 1e6)
-            e.record()
-            torch.cuda.synchronize()
-        self.host_us = statistics.median(host)
-        gpu = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-        kept = launched_in_time(gpu, host, self.sleep_us)
-        self.late = len(gpu) - len(kept)
-        if self.late:
-            print(
-                f"  timer: {self.late} of {len(gpu)} samples launched after the "
-                f"{self.sleep_us:.0f} us sleep ended (host up to {max(host):.0f} "
-                f"us); {'dropped' if kept else 'kept: none was in time'}",
-                flush=True,
-            )
-        return statistics.median(kept or gpu)
-
-
-def run_meta(bw: float, **fields) -> dict:
-    """What a kernel benchmark's run records about itself: when, on which
-    device and software, at which copy bandwidth (bytes per second, read +
-    write), and the benchmark's own ``fields``."""
-    import triton
-
-    import vllm
-
-    return dict(
-        time=datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"
-        ),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        vllm=vllm.__version__,
-        copy_bandwidth_gbs=bw / 1e9,
-        **fields,
-    )
-
-
-def write_run(out_dir: str, name: str, meta: dict, rows: list[dict], md: str) -> None:
-    """A run's rows as ``name-<time>.json`` and its table as ``.md`` in
-    ``out_dir``, each whole or not at all (written aside, then renamed);
-    the table and where it went printed."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for suffix, text in (
-        ("json", json.dumps(dict(meta=meta, rows=rows), indent=1)),
-        ("md", md),
-    ):
-        part = out / f".{name}-{stamp}.{suffix}.part"
-        part.write_text(text)
-        os.replace(part, out / f"{name}-{stamp}.{suffix}")
-    print(md, flush=True)
-    print(f"wrote {out}/{name}-{stamp}.json and .md in {meta['wall_s']} s", flush=True)
-
-
-def sweep_main(doc, quick_help, name, bench, markdown, full, quick) -> None:
-    """The command of a benchmark that sweeps shapes x sizes x presets
-    (store, read-back): ``--quick`` / ``--presets`` / ``--iters`` / ``--out``,
-    then ``bench(shapes, sizes, presets, timer, bw, rows, log)`` over
-    ``full`` or, with --quick, ``quick`` (each ``(shapes, sizes)``), its rows
-    kept if it fails part-way and written with ``markdown(meta, rows)``
-    (``write_run``)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=quick_help)
-    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(DEFAULT_OUT))
-    args = ap.parse_args()
-    iters = check_iters(ap, args.iters, args.quick)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    start = time.time()
-    timer = Timer(iters, warmup=2)
-    bw = copy_bandwidth(timer)
-    meta = run_meta(bw, quick=args.quick)
-    print(f"{meta['device']}: copy bandwidth {bw / 1e9:,.0f} GB/s", flush=True)
-    rows: list[dict] = []
-    try:
-        bench(
-            *(quick if args.quick else full),
-            args.presets,
-            timer,
-            bw,
-            rows,
-            functools.partial(print, flush=True),
-        )
-    except Exception as e:  # noqa: BLE001 - keep what was measured
-        print(f"aborted: {type(e).__name__}: {e}", flush=True)
-        meta["aborted"] = f"{type(e).__name__}: {e}"
-    meta["wall_s"] = round(time.time() - start, 1)
-    write_run(args.out, name, meta, rows, markdown(meta, rows))
-
-
-def copy_bandwidth(timer: Timer) -> float:
-    """Device-to-device copy, (read + write) bytes per second."""
-    n = 2**30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    t = timer(functools.partial(dst.copy_, src))
-    return 2 * n / (t * 1e-6)
-
-
 def paged_layout(batch, context, seed=0):
     g = torch.Generator().manual_seed(seed)
     pages = math.ceil(context / PAGE)
@@ -324,24 +132,6 @@ def paged_layout(batch, context, seed=0):
     block_table = perm.view(batch, pages).cuda()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return num_blocks, block_table, seq_lens
-
-
-def tq_tables(cfg, head_dim, device="cuda"):
-    """The centroids a TurboQuant layer holds (fp16 values, not the solver's),
-    their midpoints, and the backend's own rotation matrix."""
-    from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
-        fp16_centroids,
-    )
-    from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
-
-    bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
-    centroids, _ = fp16_centroids(head_dim, bits).sort()
-    midpoints = (centroids[:-1] + centroids[1:]) / 2
-    # The backend's cached matrix itself, not an equal one: the decode knows
-    # that object (``is_backend_hadamard``) and rotates the query in one
-    # small kernel, as in an engine (``splitkv_call``).
-    pit = _build_hadamard(head_dim, str(torch.device(device)))
-    return centroids.to(device), midpoints.to(device), pit
 
 
 def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
@@ -443,38 +233,6 @@ def backend_scratch(batch: int, heads: int, D: int) -> torch.Tensor:
     must write every partial result it reads."""
     shape = (max(batch, SCRATCH_ROWS), heads, SCRATCH_SPLITS, D + 1)
     return torch.full(shape, float("nan"), device="cuda")
-
-
-def takes_key_offset(cfg) -> bool:
-    """Whether the backend stores this preset's keys with a key offset
-    (patch 0027; False on a vLLM without it)."""
-    try:
-        from vllm.model_executor.layers.quantization.turboquant import key_offset
-    except ImportError:
-        return False
-    return not cfg.key_fp8 and cfg.key_mse_bits in key_offset.OFFSET_KEY_BITS
-
-
-def served_extras(cfg, hq: int, hk: int, D: int, device: str = "cuda") -> dict:
-    """The arguments the backend adds to this preset's decode, by its own
-    rules for a layer of this shape: a key offset for 3- and 4-bit MSE keys
-    (0027), rotated values (0028); none on a vLLM without those patches."""
-    try:
-        from vllm.model_executor.layers.quantization.turboquant import (
-            key_offset,
-            value_rotation,
-        )
-    except ImportError:
-        return {}
-    layer = types.SimpleNamespace(
-        tq_config=cfg, head_size=D, num_heads=hq, num_kv_heads=hk
-    )
-    extras = {}
-    if key_offset.takes_key_offset(layer):
-        extras["key_offset"] = torch.randn(hk, D, device=device)
-    if value_rotation.rotates_values(layer):
-        extras["value_rotation"] = True
-    return extras
 
 
 def raw_window_of(
@@ -1316,18 +1074,6 @@ def run_all(args, timer, bw, rows, log):
             key=lambda s: s[3],
         )
         bench_store(shapes[:2], args.presets, timer, bw, rows, log)
-
-
-def check_iters(ap: argparse.ArgumentParser, iters: int | None, quick: bool) -> int:
-    """Timed samples per case: ``--iters``, or the default for the run."""
-    if iters is None:
-        return 10 if quick else 25
-    if iters < 1:
-        ap.error(
-            f"--iters {iters}: expected at least 1 timed sample per case; pass 1 "
-            "or more, or leave it out (25; 10 with --quick)"
-        )
-    return iters
 
 
 def check_raw_window(ap: argparse.ArgumentParser, size: int) -> None:

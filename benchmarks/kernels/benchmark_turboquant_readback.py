@@ -22,12 +22,12 @@ backend's own rules give them):
   blocks reads back in the same step: every tile is skipped, so this is what
   the check costs.
 
-Each is timed by the decode benchmark's ``Timer``: ``GPU`` is the median of
-CUDA events with L2 flushed and the launch hidden behind a GPU sleep, ``host``
-the median time the Python call takes to return (prefill steps run eagerly,
-so both count). The floor is the bytes the read-back must move (the packed
-slots read, bf16 K and V written) over the copy bandwidth measured in this
-run. ``diff`` is max |one launch - passes| / max |passes| over K and V.
+Each is timed by the kernel benchmarks' ``Timer`` (gpu_timer.py): ``GPU`` is
+the median of CUDA events with L2 flushed and the launch hidden behind a GPU
+sleep, ``host`` the median time the Python call takes to return (prefill
+steps run eagerly, so both count). The floor is the bytes the read-back must
+move (the packed slots read, bf16 K and V written) over the copy bandwidth
+measured in this run. ``diff`` is max |one launch - passes| / max |passes| over K and V.
 
 Writes readback-<time>.json and .md to --out DIR, else $OUT, else
 benchmarks/runs/ (git-ignored).
@@ -41,12 +41,12 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_turboquant_decode import (  # noqa: E402
+from benchmark_run import sweep_main  # noqa: E402
+from turboquant_layer_setup import (  # noqa: E402
     LAYER_SHAPES,
     PAGE,
     served_extras,
     store_kwargs,
-    sweep_main,
     tq_config,
     tq_tables,
 )

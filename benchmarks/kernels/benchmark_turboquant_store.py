@@ -29,11 +29,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_turboquant_decode import (  # noqa: E402
+from benchmark_run import sweep_main  # noqa: E402
+from turboquant_layer_setup import (  # noqa: E402
     LAYER_SHAPES,
     PAGE,
     store_kwargs,
-    sweep_main,
     tq_config,
     tq_tables,
 )

@@ -11,14 +11,19 @@ import sys
 import pytest
 import torch
 
-from tests.benchmarks import REPO, import_benchmark, readme_command
+from tests.benchmarks import (
+    REPO,
+    import_benchmark,
+    import_kernel_helper,
+    readme_command,
+)
 
 
 def _bench():
     return import_benchmark("benchmarks.kernels.benchmark_turboquant_readback")
 
 
-PRESETS = import_benchmark("benchmarks.kernels.benchmark_turboquant_decode").PRESETS
+PRESETS = import_kernel_helper("turboquant_layer_setup").PRESETS
 
 
 class _OneCall:
