@@ -39,7 +39,10 @@ KV dtype, in a table of its own (issue 47).
 Results: e2e-<time>.json and .md in ``--out``, else $OUT, else
 benchmarks/runs/ (git-ignored), with
 device and versions; ``--keep-logs`` also writes each configuration's engine
-log there (per-repeat tok/s, warnings). Dummy weights make outputs meaningless
+log there (per-repeat tok/s, warnings). The JSON also keeps each scenario's
+median time in the engine core's queue (``queue_median_s``, over auto as
+``queue_median_s_vs_auto``), the part of TTFT that earlier requests' steps
+make. Dummy weights make outputs meaningless
 (and repetitive), which is fine for speed, not for quality.
 """
 
@@ -244,6 +247,20 @@ def request_times(outs) -> tuple[list[float], list[float], list[float]]:
     return ttft, prefill, tpot
 
 
+def queue_times(outs) -> list[float]:
+    """Per request of a repeat: seconds from the engine core's queue to its
+    first scheduling (vLLM's queued_time, on the engine core's clock). With
+    ``request_times``' prefill it takes TTFT apart: TTFT = hand-off + queue
+    + prefill, where the queue is the earlier requests' steps."""
+    waits = []
+    for o in outs:
+        m = o.metrics
+        queued = getattr(m, "queued_ts", 0.0) if m is not None else 0.0
+        if queued > 0 and m.scheduled_ts >= queued:
+            waits.append(m.scheduled_ts - queued)
+    return waits
+
+
 def gpu_state() -> dict:
     """The engine's GPU right after a repeat: SM clock (MHz), temperature (C)
     and power (W), read through NVML (no CUDA context in this process). A
@@ -377,6 +394,7 @@ def timed_repeat(llm, batch, params) -> dict:
         ttft_median_s=percentile(ttft, 0.5),
         ttft_p90_s=percentile(ttft, 0.9),
         prefill_median_s=percentile(prefill, 0.5),
+        queue_median_s=percentile(queue_times(outs), 0.5),
         tpot_median_s=percentile(tpot, 0.5),
         tpot_p90_s=percentile(tpot, 0.9),
         gpu=gpu_state(),
@@ -504,10 +522,12 @@ def summarize(reps: list[dict]) -> dict:
         ttft_median_s_reps=ttfts,
         ttft_median_s_spread=spread(ttfts),
         prefill_median_s_reps=[r.get("prefill_median_s") for r in reps],
+        queue_median_s_reps=[r.get("queue_median_s") for r in reps],
         gpu_reps=[r.get("gpu") for r in reps],
         ttft_median_s=med("ttft_median_s"),
         ttft_p90_s=med("ttft_p90_s"),
         prefill_median_s=med("prefill_median_s"),
+        queue_median_s=med("queue_median_s"),
         tpot_median_s=med("tpot_median_s"),
         tpot_p90_s=med("tpot_p90_s"),
     )
@@ -783,6 +803,7 @@ def add_ratios(rows):
                 "ttft_median_s",
                 "ttft_p90_s",
                 "prefill_median_s",
+                "queue_median_s",
                 "tpot_median_s",
                 "tpot_p90_s",
             ):

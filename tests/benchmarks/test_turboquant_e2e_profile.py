@@ -253,6 +253,24 @@ def test_prefill_is_timed_on_the_engine_cores_clock_apart_from_ttft(e2e):
     assert tpot == pytest.approx([0.005])
 
 
+def test_the_queue_is_timed_from_the_engine_cores_queue_to_the_first_step(e2e):
+    """TTFT = hand-off + queue + prefill: the queue (queued to first
+    scheduled, the engine core's clock) is what earlier requests' steps
+    cost a request. A request without its queue stamp counts nowhere."""
+
+    def out(queued, scheduled):
+        metrics = Namespace(queued_ts=queued, scheduled_ts=scheduled)
+        return Namespace(outputs=[Namespace(token_ids=[7])], metrics=metrics)
+
+    outs = [out(100.0, 100.002), out(100.0, 100.180), out(0.0, 100.1)]
+    outs.append(Namespace(outputs=[Namespace(token_ids=[7])], metrics=None))
+    assert e2e.queue_times(outs) == pytest.approx([0.002, 0.180])
+    rep = dict(output_tok_s=1.0, ttft_median_s=0.2, ttft_p90_s=0.3)
+    s = e2e.summarize([dict(rep, queue_median_s=q) for q in (0.09, 0.18, 0.17)])
+    assert s["queue_median_s_reps"] == [0.09, 0.18, 0.17]
+    assert s["queue_median_s"] == 0.17
+
+
 def test_each_repeat_keeps_the_gpus_clock_and_the_summary_lists_them(e2e, monkeypatch):
     import torch
 
