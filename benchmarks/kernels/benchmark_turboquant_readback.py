@@ -136,6 +136,7 @@ def read_back_in_one_launch(
 def bench(
     shapes, lengths, presets, timer, bw, rows, log, device="cuda", dtype=torch.bfloat16
 ):
+    from vllm.v1.attention.ops.triton_turboquant_unpack_cached import BLOCK_N
     from vllm.v1.attention.ops.turboquant_hadamard import rotates_in_registers
 
     for label, hq, hk, D in shapes:
@@ -184,7 +185,10 @@ def bench(
                     r["new_us"] = timer(one_launch)
                     r["new_host_us"] = timer.host_us
                     held = torch.full(
-                        (cached // PAGE + 2, hk), -1, dtype=torch.int32, device=device
+                        (cached // BLOCK_N + 2, hk),
+                        -1,
+                        dtype=torch.int32,
+                        device=device,
                     )
                     again = functools.partial(one_launch, held=held, row0=0)
                     again()

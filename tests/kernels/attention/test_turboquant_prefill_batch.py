@@ -19,6 +19,7 @@ interpreter (``HYBRIDKV_TRITON_INTERPRET=1``) and natively on a GPU.
 """
 
 import contextlib
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -496,13 +497,15 @@ def test_the_first_forward_compiles_the_continuation_kernels_once(
     from vllm.v1.attention.backends import turboquant_prefill_batch as batch
 
     read_back, calls = batch.cached_kv_into, []
+    signature = inspect.signature(read_back)
 
-    def recorded(impl, kv_cache, block_row, cached, *args):
-        # args: Pi, centroids, k_out, v_out, key_scale, key_offset,
-        # value_rotation, then held and row0 where the caller passes them.
-        held_row0 = args[8] if len(args) > 8 and args[7] is not None else None
-        calls.append((block_row.cpu().numpy().tolist(), cached, held_row0))
-        return read_back(impl, kv_cache, block_row, cached, *args)
+    def recorded(*args, **kwargs):
+        # The block row, the cached length and, for a read into a map of
+        # held tiles, its first packed row.
+        a = signature.bind(*args, **kwargs).arguments
+        held_row0 = a.get("row0", 0) if a.get("held") is not None else None
+        calls.append((a["block_row"].cpu().numpy().tolist(), a["cached"], held_row0))
+        return read_back(*args, **kwargs)
 
     monkeypatch.setattr(batch, "cached_kv_into", recorded)
     run = _run("turboquant_4bit_nc", triton_device, monkeypatch)
