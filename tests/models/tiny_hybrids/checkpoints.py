@@ -104,6 +104,19 @@ MODELS: dict[str, TinyModel] = {
         engine_kwargs={"language_model_only": True},
         mtp=True,
     ),
+    # Six GDN layers beside three attention layers and the MTP layer: groups
+    # of four, so the fourth KV-cache tensor holds attention layers only and
+    # the block pool splits its ids at that tensor's length (the Qwen3.6-27B
+    # shape's 48 + 16 + 1 in small).
+    "qwen3_5_split": TinyModel(
+        "qwen3_5_text",
+        # 0.0575 leaves one chain prompt's top two logits 4 % apart at the
+        # ninth layer; 0.06 keeps them 30 % apart.
+        0.06,
+        {"mtp_layers": 1, "num_layers": 9, "full_attention_interval": 3},
+        engine_kwargs={"language_model_only": True},
+        mtp=True,
+    ),
     "qwen3_dense": TinyModel("qwen3_dense", 0.13, _UNTIED),
     # Draft for the hybrid main: a different architecture on the same chain
     # (its embedding directions and head are the main model's), leaning on

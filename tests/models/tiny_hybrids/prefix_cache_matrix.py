@@ -100,9 +100,12 @@ SPECS: dict[str, dict[str, Any] | None] = {
 MODELS: dict[str, tuple[str, ...]] = {
     "qwen3_next": ("none", "mtp", "ngram"),
     "qwen3_5": ("none", "mtp", "ngram"),
+    # With MTP its fourth KV-cache tensor holds attention layers only: the
+    # split block pool's cells (without MTP it plans as qwen3_5 does).
+    "qwen3_5_split": ("mtp",),
     "qwen3_dense": ("none", "ngram"),
 }
-HYBRIDS = ("qwen3_next", "qwen3_5")
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_split")
 MODES = ("align", "all")
 # The dense control's mode: none passed (vLLM ignores it without Mamba layers).
 DENSE_MODE = "-"

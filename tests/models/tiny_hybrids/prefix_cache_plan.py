@@ -62,6 +62,7 @@ class Model:
 MODELS: dict[str, Model] = {
     "qwen3_next": Model(pcm.MODELS["qwen3_next"]),
     "qwen3_5": Model(pcm.MODELS["qwen3_5"], language_model_only=True),
+    "qwen3_5_split": Model(pcm.MODELS["qwen3_5_split"], language_model_only=True),
     "qwen3_dense": Model(pcm.MODELS["qwen3_dense"], hybrid=False),
     "Qwen3-Coder-Next-80B-A3B": Model(
         ("none", "mtp", "ngram"), full_size="Qwen3-Coder-Next-80B-A3B"

@@ -35,8 +35,9 @@ def test_cells_cover_the_issue_grid():
     names = [c.name for c in cells]
     assert len(names) == len(set(names))
     hybrid = [c for c in cells if c.model in pcm.HYBRIDS]
-    # 2 hybrids x 2 KV dtypes x none/mtp/ngram x all/align; dense: no MTP, no mode.
-    assert len(hybrid) == 2 * 2 * 3 * 2
+    # 2 hybrids x 2 KV dtypes x none/mtp/ngram x all/align, and the split
+    # pool's hybrid with MTP; dense: no MTP, no mode.
+    assert len(hybrid) == 2 * 2 * 3 * 2 + 2 * 2
     assert {c.mode for c in hybrid} == {"all", "align"}
     dense = [c for c in cells if c.model == "qwen3_dense"]
     assert len(dense) == 2 * 2 and {c.mode for c in dense} == {pcm.DENSE_MODE}
@@ -46,7 +47,7 @@ def test_cells_cover_the_issue_grid():
 
 def test_engine_plan_brings_cold_engines_first_and_all_cells_last():
     engines = pcm.engine_plan(pcm.cells())
-    assert len(engines) == 28 + 16  # every cell + one cold per model/kv/spec
+    assert len(engines) == 32 + 18  # every cell + one cold per model/kv/spec
     modes = [e.mode for e in engines]
     assert modes == sorted(modes, key=lambda m: ["cold", "align", "-", "all"].index(m))
     for c in pcm.cells():
@@ -111,7 +112,7 @@ def test_engine_kwargs():
             "mtp": "mtp",
             "ngram": "ngram",
         }[cell.spec]
-        assert kw.get("language_model_only", False) == (cell.model == "qwen3_5")
+        assert kw.get("language_model_only", False) == cell.model.startswith("qwen3_5")
     graphs = pcm.engine_kwargs(pcm.cells()[0], CKPTS, cg="FULL_AND_PIECEWISE")
     assert "enforce_eager" not in graphs
     assert graphs["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
@@ -489,7 +490,7 @@ def test_plan_cells():
     tiny = plan.plan_cells(tiny_only=True)
     assert tiny == pcm.cells()
     with_cold = plan.plan_cells(tiny_only=True, with_cold=True)
-    assert len(with_cold) == len(tiny) + 16
+    assert len(with_cold) == len(tiny) + 18
     full = plan.plan_cells()
     assert {c.model for c in full} == set(plan.MODELS)
     assert plan.budget("qwen3_next") == (pcm.KV_CACHE_MEMORY_BYTES, pcm.MAX_MODEL_LEN)

@@ -44,8 +44,8 @@ def test_full_matrix_axes():
     assert {c.kv for c in cells} == set(sdm.KV_DTYPES)
     assert {c.cg for c in cells} == set(sdm.CG_MODES)
     assert {c.spec for c in cells} == {"mtp1", "mtp3", "ngram3", "draft3"}
-    # 3 + 2 + 2 specs on three models + 1 (hybrid + draft), 4 kv x 3 modes.
-    assert len(cells) == 8 * 12
+    # 3 + 2 + 1 + 2 specs on four models + 1 (hybrid + draft), 4 kv x 3 modes.
+    assert len(cells) == 9 * 12
     # hybrid + draft compares against the hybrid main's own reference.
     c = sdm.Cell("hybrid_draft", "auto", "draft3", "NONE")
     assert c.reference() == sdm.Cell("qwen3_next", "auto", "none", "NONE")
@@ -606,17 +606,17 @@ def test_vllm_dummy_weights_are_seeded_per_parameter():
 def test_full_run_order_and_shared_compile_env(tmp_path):
     cells = sdm.full_cells()
     names = {c.key: c for cell in cells for c in (cell.reference(), cell)}
-    assert len(names) == 132
+    assert len(names) == 156
     order = sorted(names, key=lambda k: sdm._order(names[k]))
     # Compiled references first (each compile group's leader is one of
     # them), eager engines last.
-    refs = {names[k].spec for k in order[:24]} | {names[k].cg for k in order[:24]}
+    refs = {names[k].spec for k in order[:32]} | {names[k].cg for k in order[:32]}
     assert refs == {"none", "PIECEWISE", "FULL_AND_PIECEWISE"}
-    assert {names[k].cg for k in order[-44:]} == {"NONE"}
+    assert {names[k].cg for k in order[-52:]} == {"NONE"}
     leaders = {}
     for k in order:
         leaders.setdefault(sdm.compile_group(names[k]), names[k])
-    assert len(leaders) == 3 * len(sdm.KV_DTYPES)  # 3 checkpoints
+    assert len(leaders) == 4 * len(sdm.KV_DTYPES)  # 4 checkpoints
     assert {(c.spec, c.cg) for c in leaders.values()} == {
         ("none", "FULL_AND_PIECEWISE")
     }
