@@ -126,52 +126,6 @@ def qwen36(tmp_path_factory):
     return str(write_full_size_config(QWEN36, root / QWEN36))
 
 
-@pytest.mark.parametrize(
-    "kv, every_group, full_load",
-    [("auto", 4.75, 0.55), ("turboquant_4bit_nc", 5.01, 1.79)],
-)
-def test_mtp_padding_weighs_groups_by_the_blocks_a_request_holds(
-    qwen36, kv, every_group, full_load
-):
-    """Qwen3.6-27B with MTP in align mode: 17 attention layers (the MTP
-    layer joins the main model's 16) beside 48 GDN layers make groups of 17,
-    so each GDN group's blocks leave one of 17 page slots empty. Counted per
-    group (every group holding as many blocks), that is the 4.75-5.01 %
-    PREFIX_CACHING.md reports; a 64K request holds 2 + 3 blocks per GDN
-    group (align mode keeps two states, and one per MTP draft token) against
-    one attention block per 416 or 1,632 tokens, so with the cache full the
-    empty slots take 0.55 % and 1.79 % (the figures that section worked out
-    by hand)."""
-    kv_bytes, max_model_len = prefix_cache_plan.budget(QWEN36)
-    report = plan(
-        capacity.CapacityRequest(
-            model=qwen36,
-            max_model_len=max_model_len,
-            kv_cache_dtype=kv,
-            num_speculative_tokens=pcm.SPECS["mtp"]["num_speculative_tokens"],
-            language_model_only=True,
-            kv_cache_memory_bytes=kv_bytes,
-            max_num_batched_tokens=pcm.MAX_NUM_BATCHED_TOKENS,
-            usage_context="llm",
-            enable_prefix_caching=True,
-            mamba_cache_mode="align",
-        )
-    )
-    assert report.padding_layers == 3
-    assert 100 * report.padding_fraction == pytest.approx(every_group, abs=0.01)
-    assert 100 * report.padding_fraction_full_load == pytest.approx(full_load, abs=0.01)
-    held = {
-        ("GDN" if g["type"] == "MambaSpec" else "attention", g["blocks_per_request"])
-        for g in report.groups
-    }
-    assert held == {
-        ("GDN", 2 + pcm.SPECS["mtp"]["num_speculative_tokens"]),
-        ("attention", -(-max_model_len // report.block_size)),
-    }
-    text = capacity.format_report(report)
-    assert f"{100 * report.padding_fraction_full_load:.2f}% with the cache full" in text
-
-
 # The engines' "GPU KV cache size" for the Qwen3.6-27B shape at max_model_len
 # 8,848 (the e2e harness's shared-prefix lane), prefix caching off and on in
 # align mode, on two H200s of one host (benchmarks/releases/release-47.md).

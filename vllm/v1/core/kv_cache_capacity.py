@@ -213,9 +213,9 @@ class CapacityReport:
     padding plus the page slots of padding layers."""
     padding_fraction: float = 0.0
     """Share of KV-cache memory that holds no data, page padding plus padding
-    layers, with every layer slot holding the same number of pages (the
-    engine's model: kv_cache_page_unify's PagePadding, and a block of a group
-    spans every layer slot)."""
+    layers, with every group holding the same number of blocks (the engine's
+    model: kv_cache_page_unify's PagePadding, and a block of a group spans
+    every tensor with a page for it)."""
     padding_fraction_full_load: float = 0.0
     """The same share with the cache full of ``max_model_len`` requests: each
     group's empty page slots weighted by the blocks such a request holds in
@@ -230,6 +230,10 @@ class CapacityReport:
     """The engine's own padding warning for each spec type that gets padding
     layers (the same N and "may waste at most" figure it logs)."""
     num_blocks: int | None = None
+    tensor_pages: dict[int, int] = field(default_factory=dict)
+    """Pages a KV-cache tensor holds -> how many tensors hold that many. A
+    tensor shorter than ``num_blocks`` pages holds only the block ids below
+    its length, which only the groups of the layers sharing it take."""
     kv_tokens: int | None = None
     max_concurrency: float | None = None
     layer_dtypes: dict[str, int] = field(default_factory=dict)
@@ -1659,21 +1663,44 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
     """Groups, per-layer pages and padding of the engine's KV-cache config.
 
     Padding is counted as the engine counts it: a block id spans every
-    KV-cache tensor (``config.kv_cache_tensors``), so a block of a group with
-    fewer layers than the others leaves page slots empty (upstream's "Add N
-    padding layers" warning, repeated here with its figure), and the share of
-    KV memory is taken with every layer slot holding the same number of pages
-    (``PagePadding.fraction`` of kv_cache_page_unify, whose log line this
-    equals where no slot is empty), and again with each group weighted by the
-    blocks a ``max_model_len`` request holds in it.
+    KV-cache tensor (``config.kv_cache_tensors``) with a page for it, so a
+    block of a group with fewer layers than the others leaves page slots empty
+    (upstream's "Add N padding layers" warning, repeated here with its figure),
+    and the share of KV memory is taken with every group holding the same
+    number of blocks (``PagePadding.fraction`` of kv_cache_page_unify, whose
+    log line this equals where no slot is empty), and again with each group
+    weighted by the blocks a ``max_model_len`` request holds in it.
     """
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     groups = config.kv_cache_groups
-    block = sum(t.size for t in config.kv_cache_tensors) // max(1, config.num_blocks)
+    num_blocks = max(1, config.num_blocks)
+    page_sets = any(
+        isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups
+    )
+    # One page of each layer slot; a UniformTypeKVCacheSpecs layout's tensors
+    # are its layers' own, of their own page sizes.
+    page = max((t.size for t in config.kv_cache_tensors), default=0) // num_blocks
+    tensor_pages = [t.size // page if page else 0 for t in config.kv_cache_tensors]
+    if not page_sets:
+        report.tensor_pages = {
+            n: tensor_pages.count(n) for n in sorted(set(tensor_pages))
+        }
+
+    def block_bytes(group: Any) -> int:
+        """A block of ``group``: a page in every full-length tensor, and in a
+        shorter one only where one of its own layers shares it."""
+        if page_sets:
+            return sum(t.size for t in config.kv_cache_tensors) // num_blocks
+        own = set(group.layer_names)
+        return page * sum(
+            n == config.num_blocks or bool(own.intersection(t.shared_by))
+            for n, t in zip(tensor_pages, config.kv_cache_tensors)
+        )
+
     slots = max(len(g.layer_names) for g in groups)
-    wasted = 0
+    wasted = spanned = 0
     full_wasted = full_blocks = 0
     by_spec: dict[Any, list[Any]] = {}
     for group in groups:
@@ -1688,6 +1715,7 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
         held_blocks = cdiv(
             spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes
         )
+        block = block_bytes(group)
         report.groups.append(
             {
                 "type": type(spec).__name__,
@@ -1703,14 +1731,15 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
             }
         )
         wasted += block - held
+        spanned += block
         full_wasted += held_blocks * (block - held)
-        full_blocks += held_blocks
+        full_blocks += held_blocks * block
         if not uniform_type:
             by_spec.setdefault(spec, []).append(group)
     report.padding_bytes_per_page_set = wasted
-    report.padding_fraction = wasted / (block * len(groups)) if block else 0.0
+    report.padding_fraction = wasted / spanned if spanned else 0.0
     report.padding_fraction_full_load = (
-        full_wasted / (block * full_blocks) if block and full_blocks else 0.0
+        full_wasted / full_blocks if full_blocks else 0.0
     )
     for spec, same in by_spec.items():
         layers = sum(len(g.layer_names) for g in same)
@@ -1874,6 +1903,15 @@ def format_report(r: CapacityReport) -> str:
         lines.append(
             "    pages padded to the largest instead (upstream 0.33): "
             f"{100 * r.pad_to_max_fraction:.2f}% page padding"
+        )
+    if len(r.tensor_pages) > 1:
+        lines.append(
+            "  KV-cache tensors: "
+            + ", ".join(
+                f"{n} of {pages:,} pages" for pages, n in r.tensor_pages.items()
+            )
+            + f" (block ids below {min(r.tensor_pages):,} for the layers on the "
+            "shorter)"
         )
     lines.append(
         f"  blocks: {r.num_blocks:,}   KV cache: {r.kv_tokens:,} tokens   "
