@@ -28,26 +28,37 @@ def qwen36(tmp_path_factory):
     return str(write_full_size_config(QWEN36, root / QWEN36))
 
 
-def plan_mtp(model: str, kv: str, **kw) -> capacity.CapacityReport:
-    kv_bytes, max_model_len = prefix_cache_plan.budget(QWEN36)
+def plan(
+    model: str, max_model_len: int, kv_bytes: int, **kw
+) -> capacity.CapacityReport:
     report = capacity.plan_capacity(
         capacity.CapacityRequest(
             model=model,
             max_model_len=max_model_len,
-            kv_cache_dtype=kv,
-            num_speculative_tokens=pcm.SPECS["mtp"]["num_speculative_tokens"],
-            language_model_only=True,
             kv_cache_memory_bytes=kv_bytes,
-            max_num_batched_tokens=pcm.MAX_NUM_BATCHED_TOKENS,
+            language_model_only=True,
             usage_context="llm",
-            enable_prefix_caching=True,
-            mamba_cache_mode="align",
             **kw,
         )
     )
     print(capacity.format_report(report))
     assert not report.fails, report.error or report.backend_errors
     return report
+
+
+def plan_mtp(model: str, kv: str) -> capacity.CapacityReport:
+    """16 GiB, 64K tokens, MTP (3 draft tokens), prefix caching in align mode."""
+    kv_bytes, max_model_len = prefix_cache_plan.budget(QWEN36)
+    return plan(
+        model,
+        max_model_len,
+        kv_bytes,
+        kv_cache_dtype=kv,
+        num_speculative_tokens=pcm.SPECS["mtp"]["num_speculative_tokens"],
+        max_num_batched_tokens=pcm.MAX_NUM_BATCHED_TOKENS,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+    )
 
 
 @pytest.fixture
@@ -130,19 +141,7 @@ def test_the_tiny_split_checkpoint_plans_a_short_tensor(tmp_path, kv):
     model = str(write_config("qwen3_5_split", tmp_path / "qwen3_5_split"))
 
     def tiny(**kw):
-        report = capacity.plan_capacity(
-            capacity.CapacityRequest(
-                model=model,
-                max_model_len=2048,
-                kv_cache_dtype=kv,
-                language_model_only=True,
-                kv_cache_memory_bytes=pcm.KV_CACHE_MEMORY_BYTES,
-                usage_context="llm",
-                **kw,
-            )
-        )
-        assert not report.fails, report.error or report.backend_errors
-        return report
+        return plan(model, 2048, pcm.KV_CACHE_MEMORY_BYTES, kv_cache_dtype=kv, **kw)
 
     mtp = tiny(num_speculative_tokens=3)
     assert [g["layers"] for g in mtp.groups] == [3, 3, 4]
@@ -154,15 +153,7 @@ def test_the_tiny_split_checkpoint_plans_a_short_tensor(tmp_path, kv):
 def test_without_mtp_no_tensor_is_attention_only(qwen36):
     """48 GDN + 16 attention layers make groups of 16 with no empty slot."""
     kv_bytes, max_model_len = prefix_cache_plan.budget(QWEN36)
-    report = capacity.plan_capacity(
-        capacity.CapacityRequest(
-            model=qwen36,
-            max_model_len=max_model_len,
-            language_model_only=True,
-            kv_cache_memory_bytes=kv_bytes,
-            usage_context="llm",
-        )
-    )
+    report = plan(qwen36, max_model_len, kv_bytes)
     assert report.tensor_pages == {report.num_blocks: 16}
 
 
