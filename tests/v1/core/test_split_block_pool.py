@@ -4,14 +4,24 @@
 short tensor has no page past it), Mamba groups take ids from A up first, and
 admission holds back a request whose attention blocks do not fit below A."""
 
+import random
+
 import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_block_split import mamba_group_ids, split_point
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.split_block_pool import SplitBlockPool, SplitFreeBlockQueue
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -20,7 +30,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
 )
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 pytestmark = pytest.mark.cpu_test
 
@@ -195,3 +207,129 @@ def test_a_hit_reuses_cached_blocks_of_both_ranges():
     assert attention[:4] == cold_attention[:4]
     assert max(attention) < SPLIT
     assert set(mamba) & set(cold_mamba)
+
+
+def planned_scheduler(model: str, kv: str, blocks_of_pages: int):
+    """The engine's scheduler for ``model`` with MTP (3 draft tokens) and
+    prefix caching in align mode, on KV memory of ``blocks_of_pages`` pages
+    of every layer slot, planned as the engine plans it (on this host)."""
+    from vllm.v1.core import kv_cache_capacity as capacity
+
+    req = capacity.CapacityRequest(
+        model=model,
+        max_model_len=2048,
+        kv_cache_dtype=kv,
+        num_speculative_tokens=3,
+        language_model_only=True,
+        kv_cache_memory_bytes=1,
+        max_num_batched_tokens=512,
+        usage_context="llm",
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+    )
+    capacity.use_planning_platform()
+    vllm_config = capacity.engine_config(
+        req, capacity.parse_device_capability(req.device_capability)
+    )
+    layers = capacity.all_layers(vllm_config)
+    layers += capacity.raw_window_twins(vllm_config, layers)
+    capacity.plan_block_size(vllm_config, layers, False)
+    specs, _ = capacity.kv_cache_specs(vllm_config, layers, False)
+    page = max(spec.page_size_bytes for spec in specs.values())
+    slots = 4  # 3 attention layers and MTP's beside GDN groups of 3
+    config = get_kv_cache_configs(
+        vllm_config, [specs], [page * slots * blocks_of_pages]
+    )
+    config = generate_scheduler_kv_cache_config(config)
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    vllm_config.scheduler_config.async_scheduling = False
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=config.kv_cache_groups[0].kv_cache_spec.block_size,
+        log_stats=True,
+    )
+    return scheduler, config
+
+
+def serve_until_done(scheduler: Scheduler, config: KVCacheConfig, seed: int = 0):
+    """Ten requests on a shared 700-token prefix, 300 tokens each, MTP drafts
+    accepted at random; returns the requests and the first attention block
+    id found at or past the split, if any."""
+    rng = random.Random(seed)
+    split = split_point(config)
+    mamba = mamba_group_ids(config.kv_cache_groups)
+    hasher = get_request_block_hasher(scheduler.block_size, sha256)
+    prefix = [rng.randrange(1000) for _ in range(700)]
+    reqs = []
+    for i in range(10):
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        tokens = prefix + [rng.randrange(1000) for _ in range(rng.randrange(50, 900))]
+        reqs.append(Request(f"r{i}", tokens, params, None, block_hasher=hasher))
+        scheduler.add_request(reqs[-1])
+    past_split = None
+    while not all(r.is_finished() for r in reqs):
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        for rid in ids:
+            for group, blocks in enumerate(
+                scheduler.kv_cache_manager.get_block_ids(rid)
+            ):
+                if group not in mamba and past_split is None:
+                    past_split = next((b for b in blocks if b >= split), None)
+        sampled = []
+        for rid in ids:
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            accepted = drafts[: rng.randrange(len(drafts) + 1)]
+            request = scheduler.requests[rid]
+            prefill = request.is_prefill_chunk
+            sampled.append([] if prefill else [*accepted, rng.randrange(1000)])
+        scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        live = [
+            rid
+            for rid in ids
+            if rid in scheduler.requests
+            and not scheduler.requests[rid].is_prefill_chunk
+        ]
+        drafts = [[rng.randrange(1000) for _ in range(3)] for _ in live]
+        scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
+    return reqs, past_split
+
+
+@pytest.mark.parametrize("kv", ["auto", "turboquant_4bit_nc"])
+def test_the_scheduler_preempts_and_finishes_with_attention_below_the_split(
+    tmp_path, monkeypatch, kv
+):
+    """vLLM's scheduler with MTP, prefix caching and preemption, on the GPU
+    gate's qwen3_5_split checkpoint planned at about two max-length
+    requests: every request finishes, attention never holds an id past the
+    split, and every block is free again at the end. The same config on
+    0.20.2's pool hands attention ids past the split (its short tensor's
+    pages end there)."""
+    from tests.models.tiny_hybrids.checkpoints import write_config
+
+    model = str(write_config("qwen3_5_split", tmp_path / "qwen3_5_split"))
+    scheduler, config = planned_scheduler(model, kv, blocks_of_pages=60)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, SplitBlockPool)
+    reqs, past_split = serve_until_done(scheduler, config)
+    assert past_split is None
+    assert [len(r.output_token_ids) for r in reqs] == [300] * 10
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert pool.get_num_free_blocks() == config.num_blocks - 1
+
+    def plain_pool(config, *args):
+        return BlockPool(config.num_blocks, *args)
+
+    monkeypatch.setattr(kv_cache_coordinator, "make_block_pool", plain_pool)
+    scheduler, config = planned_scheduler(model, kv, blocks_of_pages=60)
+    _, past_split = serve_until_done(scheduler, config)
+    assert past_split is not None and past_split >= split_point(config)
