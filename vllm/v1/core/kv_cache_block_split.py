@@ -53,27 +53,30 @@ def attention_only_tensors(config: KVCacheConfig) -> list[int]:
     as one tensor per layer slot over Mamba and attention groups (else [])."""
     groups = config.kv_cache_groups
     mamba = mamba_group_ids(groups)
-    if (
-        not mamba
-        or len(mamba) == len(groups)
-        or any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups)
-        or _page_size(config) is None
-    ):
+    if not mamba or len(mamba) == len(groups):
         return []
     mamba_layers = {name for i in mamba for name in groups[i].layer_names}
-    return [
+    short = [
         i
         for i, tensor in enumerate(config.kv_cache_tensors)
         if not mamba_layers.intersection(tensor.shared_by)
     ]
+    # The specs' page sizes are read only where a tensor could be short.
+    if (
+        not short
+        or any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups)
+        or _page_size(config) is None
+    ):
+        return []
+    return short
 
 
 def split_point(config: KVCacheConfig) -> int | None:
     """The block id below which attention groups allocate, read from the
     short tensors' size; None where every tensor has ``num_blocks`` pages."""
     short = attention_only_tensors(config)
-    page = _page_size(config)
-    if not short or page is None:
+    page = _page_size(config) if short else None
+    if page is None:
         return None
     shortest = min(config.kv_cache_tensors[i].size for i in short) // page
     return shortest if shortest < config.num_blocks else None
@@ -141,7 +144,8 @@ def split_attention_only_tensors(vllm_config: Any, config: KVCacheConfig) -> Non
     they free on more block ids, in place; called once every worker's config
     has the common ``num_blocks``."""
     short = attention_only_tensors(config)
-    if not short or split_point(config) is not None:
+    page = _page_size(config) if short else None
+    if page is None or split_point(config) is not None:
         return
     if reason := why_not_split(vllm_config):
         logger.info_once(
@@ -151,8 +155,6 @@ def split_attention_only_tensors(vllm_config: Any, config: KVCacheConfig) -> Non
             reason,
         )
         return
-    page = _page_size(config)
-    assert page is not None
     attention, total = attention_share(vllm_config, config)
     sized = sized_split(
         config.num_blocks, len(config.kv_cache_tensors), len(short), attention, total
