@@ -89,6 +89,8 @@ class MatrixModel:
     draft: str | None = None
     # vLLM dummy weights (load_format="dummy") on the checkpoint's config.
     dummy: bool = False
+    # The CUDA graph modes its cells run in the release gate (GATE_CELLS).
+    gate_cg: tuple[str, ...] = ("NONE", "FULL_AND_PIECEWISE")
 
 
 MODELS: dict[str, MatrixModel] = {
@@ -96,7 +98,9 @@ MODELS: dict[str, MatrixModel] = {
     # GDN rows without drafts follow rows with accepted drafts.
     "qwen3_next": MatrixModel("qwen3_next", ("mtp1", "mtp3", "ngram3")),
     "qwen3_5": MatrixModel("qwen3_5", ("mtp1", "mtp3")),
-    "qwen3_5_split": MatrixModel("qwen3_5_split", ("mtp3",)),
+    "qwen3_5_split": MatrixModel(
+        "qwen3_5_split", ("mtp3",), gate_cg=("FULL_AND_PIECEWISE",)
+    ),
     "qwen3_dense": MatrixModel("qwen3_dense", ("ngram3", "draft3"), draft="self"),
     "hybrid_draft": MatrixModel("qwen3_next", ("draft3",), draft="qwen3_dense_draft"),
 }
@@ -154,25 +158,20 @@ QUICK_CELLS: tuple[Cell, ...] = (
 
 
 # The release gate's set (scripts/gpu-gate.sh): every model with every
-# speculation method it has, auto and turboquant_4bit_nc, eager and under
-# FULL CUDA graphs; the other presets once each under FULL graphs with MTP;
-# the split block pool (qwen3_5_split) under FULL graphs.
+# speculation method it has, auto and turboquant_4bit_nc, in its gate_cg modes
+# (eager and under FULL CUDA graphs; the split block pool's qwen3_5_split under
+# FULL graphs only); the other presets once each under FULL graphs with MTP.
 GATE_CELLS: tuple[Cell, ...] = (
     *(
         Cell(m, kv, spec, cg)
         for m, mm in MODELS.items()
-        if m != "qwen3_5_split"
         for spec in mm.specs
         for kv in ("auto", "turboquant_4bit_nc")
-        for cg in ("NONE", "FULL_AND_PIECEWISE")
+        for cg in mm.gate_cg
     ),
     *(
         Cell("qwen3_next", kv, "mtp3", "FULL_AND_PIECEWISE")
         for kv in ("turboquant_k8v4", "turboquant_3bit_nc")
-    ),
-    *(
-        Cell("qwen3_5_split", kv, "mtp3", "FULL_AND_PIECEWISE")
-        for kv in ("auto", "turboquant_4bit_nc")
     ),
 )
 

@@ -48,13 +48,14 @@ def _page_size(config: KVCacheConfig) -> int | None:
     return pages.pop() if len(pages) == 1 else None
 
 
-def attention_only_tensors(config: KVCacheConfig) -> list[int]:
-    """Indices of the tensors that no Mamba layer shares, on a config laid out
-    as one tensor per layer slot over Mamba and attention groups (else [])."""
+def attention_only_tensors(config: KVCacheConfig) -> tuple[list[int], int] | None:
+    """(indices of the tensors that no Mamba layer shares, their page size),
+    on a config laid out as one tensor per layer slot over Mamba and attention
+    groups; None elsewhere."""
     groups = config.kv_cache_groups
     mamba = mamba_group_ids(groups)
     if not mamba or len(mamba) == len(groups):
-        return []
+        return None
     mamba_layers = {name for i in mamba for name in groups[i].layer_names}
     short = [
         i
@@ -62,24 +63,25 @@ def attention_only_tensors(config: KVCacheConfig) -> list[int]:
         if not mamba_layers.intersection(tensor.shared_by)
     ]
     # The specs' page sizes are read only where a tensor could be short.
-    if (
-        not short
-        or any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups)
-        or _page_size(config) is None
+    if not short or any(
+        isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in groups
     ):
-        return []
-    return short
+        return None
+    page = _page_size(config)
+    return None if page is None else (short, page)
+
+
+def _shortened_to(config: KVCacheConfig, short: list[int], page: int) -> int | None:
+    """The pages of the shortest of ``short``, where fewer than num_blocks."""
+    shortest = min(config.kv_cache_tensors[i].size for i in short) // page
+    return shortest if shortest < config.num_blocks else None
 
 
 def split_point(config: KVCacheConfig) -> int | None:
     """The block id below which attention groups allocate, read from the
     short tensors' size; None where every tensor has ``num_blocks`` pages."""
-    short = attention_only_tensors(config)
-    page = _page_size(config) if short else None
-    if page is None:
-        return None
-    shortest = min(config.kv_cache_tensors[i].size for i in short) // page
-    return shortest if shortest < config.num_blocks else None
+    found = attention_only_tensors(config)
+    return None if found is None else _shortened_to(config, *found)
 
 
 def blocks_per_request(vllm_config: Any, group: KVCacheGroupSpec) -> int:
@@ -143,10 +145,10 @@ def split_attention_only_tensors(vllm_config: Any, config: KVCacheConfig) -> Non
     """Shorten ``config``'s attention-only tensors to A pages and spend what
     they free on more block ids, in place; called once every worker's config
     has the common ``num_blocks``."""
-    short = attention_only_tensors(config)
-    page = _page_size(config) if short else None
-    if page is None or split_point(config) is not None:
+    found = attention_only_tensors(config)
+    if found is None or _shortened_to(config, *found) is not None:
         return
+    short, page = found
     if reason := why_not_split(vllm_config):
         logger.info_once(
             "KV cache: %d tensor(s) hold attention layers only; not shortened "

@@ -1701,7 +1701,7 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
 
     slots = max(len(g.layer_names) for g in groups)
     wasted = spanned = 0
-    full_wasted = full_blocks = 0
+    full_wasted = full_spanned = 0
     by_spec: dict[Any, list[Any]] = {}
     for group in groups:
         spec = group.kv_cache_spec
@@ -1733,13 +1733,13 @@ def describe_groups(vllm_config: Any, config: Any, report: CapacityReport) -> No
         wasted += block - held
         spanned += block
         full_wasted += held_blocks * (block - held)
-        full_blocks += held_blocks * block
+        full_spanned += held_blocks * block
         if not uniform_type:
             by_spec.setdefault(spec, []).append(group)
     report.padding_bytes_per_page_set = wasted
     report.padding_fraction = wasted / spanned if spanned else 0.0
     report.padding_fraction_full_load = (
-        full_wasted / full_blocks if full_blocks else 0.0
+        full_wasted / full_spanned if full_spanned else 0.0
     )
     for spec, same in by_spec.items():
         layers = sum(len(g.layer_names) for g in same)
