@@ -45,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -56,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.models.tiny_hybrids.ports import PORT_BASE_ENV, lane_base
+from tests.models.tiny_hybrids.ports import PORT_BASE_ENV, lane_base, share_env
 from tests.models.tiny_hybrids.scheduling import NOT_RUN, run_grouped
 from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause, same_or_tie
 
@@ -321,18 +322,32 @@ def suite_run(outdir: Path, jobs: int) -> int:
     if importlib.util.find_spec("pytest_timeout"):
         select.append(f"--timeout={SUITE_TIMEOUT - 20}")
 
+    # Tests that run at once hold different slots, and each slot its own
+    # share of the lane's ports: every test process counts its engines from
+    # its base, so with one base their first engines would race for one port.
+    jobs = max(1, jobs)
+    slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for slot in range(jobs):
+        slots.put(slot)
+
     def run_one(i: int) -> int:
-        with open(outdir / f"{i:03d}.log", "w") as log:
-            proc = subprocess.Popen(
-                [py, "-m", "pytest", "-v", *select,
-                 f"--junitxml={outdir / f'{i:03d}.xml'}", nodes[i]],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        slot = slots.get()
+        env = dict(os.environ, **share_env(slot, jobs))
         try:
-            rc = proc.wait(timeout=SUITE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+            with open(outdir / f"{i:03d}.log", "w") as log:
+                proc = subprocess.Popen(
+                    [py, "-m", "pytest", "-v", *select,
+                     f"--junitxml={outdir / f'{i:03d}.xml'}", nodes[i]],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=env,
+                )  # fmt: skip
+            try:
+                rc = proc.wait(timeout=SUITE_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+        finally:
+            slots.put(slot)
         print(f"suite: {nodes[i]} rc={rc}", flush=True)
         return rc
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests import gpu_gate as gate
+from tests.models.tiny_hybrids import ports
 from tests.models.tiny_hybrids.spec_decode_matrix import first_root_cause
 
 ASSERT = (
@@ -226,6 +227,45 @@ def test_the_suite_runs_each_test_in_its_own_process(tmp_path, monkeypatch):
     assert [r.status for r in rows] == ["passed", "failed", "NOT FINISHED"]
     assert "wrong" in rows[1].root_cause
     assert rows[2].cell == nodes[2]
+
+
+def test_suite_tests_that_run_at_once_get_disjoint_port_ranges(tmp_path, monkeypatch):
+    """Each suite test is a pytest process whose first engine takes the first
+    port of its range; four running at once (each waits for the others)
+    must be handed four ranges that do not meet (the release-64 gate lost a
+    suite test to ``EADDRINUSE`` on its lane's first ports)."""
+    tests = tmp_path / "suite_tests"
+    tests.mkdir()
+    (tests / "test_ports.py").write_text(
+        "import os, pathlib, time\n"
+        "import pytest\n\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_port(i):\n"
+        "    out = pathlib.Path(__file__).parent.parent / 'ports'\n"
+        "    out.mkdir(exist_ok=True)\n"
+        f"    env = [os.environ.get(k, '') for k in ({ports.PORT_BASE_ENV!r}, "
+        f"{ports.PORT_CHILDREN_ENV!r})]\n"
+        "    (out / str(i)).write_text(' '.join(env))\n"
+        "    deadline = time.time() + 60\n"
+        "    while len(list(out.iterdir())) < 4 and time.time() < deadline:\n"
+        "        time.sleep(0.05)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gate, "SUITE_PATHS", ("suite_tests",))
+    monkeypatch.setenv(ports.PORT_BASE_ENV, ports.lane_base(2))
+    monkeypatch.delenv(ports.PORT_CHILDREN_ENV, raising=False)
+    assert gate.main([str(tmp_path / "suite"), "--suite-run", "--jobs", "4"]) == 0
+    ranges = []
+    for f in (tmp_path / "ports").iterdir():
+        base, children = (f.read_text().split() + [""])[:2]
+        children = int(children or ports.CHILDREN_PER_BASE)
+        ranges.append((int(base), int(base) + ports.PORTS_PER_CHILD * children))
+    ranges.sort()
+    assert len(ranges) == 4
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(ranges, ranges[1:]))
+    lane = int(ports.lane_base(2))
+    assert lane <= ranges[0][0] and ranges[-1][1] <= lane + ports.PORTS_PER_BASE
 
 
 def _part(tmp_path, name, lanes, status="passed", **facts):

@@ -49,25 +49,28 @@ dense Qwen3 is the control (no Mamba cache mode). Per cell:
 
     python -m tests.models.tiny_hybrids.prefix_cache_matrix OUTDIR [--jobs N]
         [--deadline S] [--only SUBSTR] [--workdir DIR] [--hits N]
-        [--new-tokens N] [--cg NONE|FULL_AND_PIECEWISE] [--no-plan] [--preempt]
+        [--new-tokens N] [--cg NONE|FULL_AND_PIECEWISE] [--no-plan]
+        [--preempt [--preempt-sim JSON]]
     python -m tests.models.tiny_hybrids.prefix_cache_matrix --table OUTDIR/matrix.json
 
-``--preempt`` serves the prefix-caching cells from KV memory for
-``PREEMPT_REQUESTS`` requests of max_model_len (the CPU plan's concurrency
-at the fixed budget, so the plan runs first), while the cold engines keep
-the fixed budget: a batch of hit requests then outgrows the cache, the
-scheduler preempts (``vllm:num_preemptions``, the ``preempted`` column) and
-recomputes, and hit vs cold says whether a preempted request, served from
-cached blocks again, still gives the cold engine's tokens.
+``--preempt`` serves each prefix-caching cell from the KV budget at which
+vLLM's scheduler, serving the same phases on CPU (preemption_sim.py, run
+first), preempts it; the cold engines keep the fixed budget. A batch of hit
+requests then outgrows the cache, the scheduler preempts
+(``vllm:num_preemptions``, the ``preempted`` column, with the simulation's
+counts beside it) and recomputes, and hit vs cold says whether a preempted
+request, served from cached blocks again, still gives the cold engine's
+tokens.
 
 ``--only`` keeps the cells whose name (``model.kv.spec.mode``) contains the
-substring; the cold engines they need come along. Engines start in compile
-groups (scheduling.py: one per checkpoint and KV dtype), cold engines first,
-then ``align`` cells, the dense control, and the ``all`` cells last (vLLM
-0.20.2 turns ``all`` into ``align`` for these models, see PREFIX_CACHING.md),
-so a ``--deadline`` (510 s by default) marks the least informative cells NOT
-RUN. Writes OUTDIR/matrix.json, OUTDIR/matrix.md, OUTDIR/logs.tar.gz;
-checkpoints and compile caches go to ``--workdir`` (default OUTDIR/work).
+substring, or one of several separated by commas; the cold engines they need
+come along. Engines start in compile groups (scheduling.py: one per
+checkpoint and KV dtype), cold engines first, then ``align`` cells, the
+dense control, and the ``all`` cells last (vLLM 0.20.2 turns ``all`` into
+``align`` for these models, see PREFIX_CACHING.md), so a ``--deadline``
+(510 s by default) marks the least informative cells NOT RUN. Writes
+OUTDIR/matrix.json, OUTDIR/matrix.md, OUTDIR/logs.tar.gz; checkpoints and
+compile caches go to ``--workdir`` (default OUTDIR/work).
 """
 
 import argparse
@@ -127,10 +130,6 @@ MAX_NUM_BATCHED_TOKENS = 8192
 # Fixed, so engines can share a GPU and the planner's figure is comparable.
 KV_CACHE_MEMORY_BYTES = 512 * 2**20
 GPU_MEMORY_UTILIZATION = 0.08
-# --preempt: the prefix-caching engines get KV memory for this many requests
-# of max_model_len (the CPU plan's concurrency at KV_CACHE_MEMORY_BYTES), so
-# a batch of hit requests outgrows it and the scheduler preempts.
-PREEMPT_REQUESTS = 1.15
 DEADLINE = 510
 TIMEOUT = 300
 PREFIX_SEED = 4700
@@ -174,11 +173,14 @@ def cells() -> list[Cell]:
 
 
 def select(all_cells: list[Cell], only: str | None) -> list[Cell]:
-    chosen = [c for c in all_cells if not only or only in c.name]
+    """The cells whose name contains one of ``only``'s comma-separated
+    substrings (every cell without ``only``)."""
+    wanted = only.split(",") if only else []
+    chosen = [c for c in all_cells if not wanted or any(w in c.name for w in wanted)]
     if not chosen:
         names = ", ".join(c.name for c in all_cells[:4])
         raise SystemExit(
-            f"--only {only!r}: no cell name contains it (names are "
+            f"--only {only!r}: no cell name contains any of it (names are "
             f"model.kv.spec.mode, e.g. {names}, ...)"
         )
     return chosen
@@ -463,21 +465,6 @@ def preemptions(metrics: list) -> int:
     return int(counter_total(metrics, "vllm:num_preemptions"))
 
 
-def preempt_budgets(
-    chosen: list[Cell], plans: dict[str, dict[str, Any]]
-) -> dict[str, int]:
-    """KV bytes per prefix-caching cell for ``PREEMPT_REQUESTS`` requests of
-    max_model_len, from the CPU plan's concurrency at the matrix's budget
-    (KV memory is whole pages, so it scales with the bytes); cells the plan
-    has no concurrency for are left out (they keep the matrix's budget)."""
-    out = {}
-    for c in chosen:
-        concurrency = (plans.get(c.name) or {}).get("max_concurrency")
-        if c.prefix_caching and concurrency:
-            out[c.name] = int(KV_CACHE_MEMORY_BYTES * PREEMPT_REQUESTS / concurrency)
-    return out
-
-
 def prefix_counters(metrics: list) -> dict[str, float]:
     """``queries`` and ``hits`` (tokens) of the engine's prefix cache, summed
     over label sets (``vllm:prefix_cache_queries`` / ``_hits``)."""
@@ -733,6 +720,7 @@ def cell_row(
     row["kv_tokens_log"] = rec.get("kv_tokens_log")
     row["preemptions"] = rec.get("preemptions")
     row["kv_budget"] = (budgets or {}).get(cell.name)
+    row["preempt_predicted"] = rec.get("preempt_predicted")
     plan = (plans or {}).get(cell.name)
     if plan is not None and row["kv_budget"] is None:
         row["plan"] = {
@@ -868,7 +856,7 @@ def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 _pages(engine) if engine else "-",
                 f"{kv_tokens:,}" if kv_tokens else "-",
                 plan_text if engine else "-",
-                str(r["preemptions"]) if r.get("preemptions") is not None else "-",
+                _preempted(r),
                 *(_hit_cell(hits.get(g)) for g in ("2K", "8K", "2K-pre", "8K-pre")),
                 _cmp(hit),
                 _cmp(warm),
@@ -879,6 +867,13 @@ def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             )
         )
     return lines
+
+
+def _preempted(r: dict[str, Any]) -> str:
+    """The engine's preemptions, and preemption_sim's per seed beside them."""
+    got = str(r["preemptions"]) if r.get("preemptions") is not None else "-"
+    sim = r.get("preempt_predicted")
+    return f"{got} (sim {'/'.join(map(str, sim))})" if sim else got
 
 
 def _cmp(c: dict[str, Any]) -> str:
@@ -917,29 +912,109 @@ def _tar_logs(outdir: Path) -> None:
         tar.add(outdir / "logs", arcname="logs")
 
 
+def run_cpu_tool(
+    module: str,
+    argv: list[str],
+    out: Path,
+    outdir: Path,
+    workdir: Path,
+    deadline: float | None,
+) -> Any:
+    """``python -m tests.models.tiny_hybrids.MODULE ARGV`` on the CPU, in its
+    own process (logs/MODULE.log), and the JSON it wrote to ``out``; None
+    when it wrote none or ran past the deadline."""
+    cmd = [sys.executable, "-m", f"tests.models.tiny_hybrids.{module}", *argv]
+    timeout = max(10.0, deadline - time.time()) if deadline else 600.0
+    env = sdm.child_env(workdir, None, 0)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(outdir / "logs" / f"{module}.log", "w") as log:
+        try:
+            subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return None
+    return json.loads(out.read_text()) if out.exists() else None
+
+
 def run_plans(
     outdir: Path, workdir: Path, only: str | None, deadline: float | None
 ) -> dict[str, dict[str, Any]]:
     """prefix_cache_plan's CPU plan of every tiny cell (and cold engine), in
     its own process; {} when it fails or runs past the deadline."""
     out = outdir / "plan.json"
-    cmd = [sys.executable, "-m", "tests.models.tiny_hybrids.prefix_cache_plan"]
-    cmd += ["--json", str(out), "--tiny-only", "--with-cold", "--no-probe"]
+    argv = ["--json", str(out), "--tiny-only", "--with-cold", "--no-probe"]
     if only:
-        cmd += ["--only", only]
-    timeout = max(10.0, deadline - time.time()) if deadline else 600.0
-    env = sdm.child_env(workdir, None, 0)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    with open(outdir / "logs" / "plan.log", "w") as log:
-        try:
-            subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            return {}
-    if not out.exists():
-        return {}
-    return {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+        argv += ["--only", only]
+    data = run_cpu_tool("prefix_cache_plan", argv, out, outdir, workdir, deadline)
+    return {r["name"]: r for r in data["rows"]} if data else {}
+
+
+def preemption_settings(
+    hits: int, new_tokens: int, warm_suffix: int, prefix_lens: list[int]
+) -> dict[str, Any]:
+    """What preemption_sim's budgets hold for: the requests it served and
+    the engine configuration it planned."""
+    return {
+        "hits": hits,
+        "new_tokens": new_tokens,
+        "warm_suffix": warm_suffix,
+        "prefix_lens": list(prefix_lens),
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES,
+    }
+
+
+def read_preemption_sim(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """preemption_sim's cells from ``path``, refused (exit 2) when it
+    simulated other settings than this run's or misses one of its cells."""
+    want = preemption_settings(
+        args.hits, args.new_tokens, args.warm_suffix, args.prefix_lens
+    )
+    try:
+        data = json.loads(path.read_text())
+        got, cells_ = data["settings"], data["cells"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"--preempt-sim {path}: not preemption_sim's output ({e})")
+        raise SystemExit(2) from None
+    differ = [k for k in want if got.get(k) != want[k]]
+    if differ:
+        print(
+            f"--preempt-sim {path}: simulated with other settings ("
+            + ", ".join(f"{k} {got.get(k)} here {want[k]}" for k in differ)
+            + "); run preemption_sim with this run's settings, or drop "
+            "--preempt-sim to simulate first"
+        )
+        raise SystemExit(2)
+    missing = [
+        c.name
+        for c in select(cells(), args.only)
+        if c.prefix_caching and c.name not in cells_
+    ]
+    if missing:
+        print(
+            f"--preempt-sim {path}: no budget for {', '.join(missing)}; "
+            "simulate those cells too (preemption_sim --only)"
+        )
+        raise SystemExit(2)
+    return cells_
+
+
+def run_preemption_sim(
+    outdir: Path, args: argparse.Namespace, deadline: float | None
+) -> dict[str, dict[str, Any]]:
+    """preemption_sim's budget for every prefix-caching cell chosen (the
+    matrix's phases at ``args``' settings), in its own process; {} when it
+    fails or runs past the deadline (the cells keep the matrix's budget)."""
+    out = outdir / "preemption_sim.json"
+    argv = [str(out), "--hits", str(args.hits), "--new-tokens", str(args.new_tokens)]
+    argv += ["--warm-suffix", str(args.warm_suffix), "--jobs", str(args.jobs)]
+    argv += ["--prefix-lens", ",".join(map(str, args.prefix_lens))]
+    if args.only:
+        argv += ["--only", args.only]
+    data = run_cpu_tool("preemption_sim", argv, out, outdir, args.workdir, deadline)
+    return data["cells"] if data else {}
 
 
 def run_engines(
@@ -1015,14 +1090,25 @@ def run_matrix(args: argparse.Namespace) -> int:
     engines = engine_plan(chosen)
     plans: dict[str, dict[str, Any]] = {}
     planner = None
-    args.kv_budgets = {}
+    args.kv_budgets, predicted = {}, {}
     if args.preempt:
-        # The budgets come from the plan: it runs first.
+        # The budgets come from the simulation: it runs first.
         deadline = t0 + args.deadline if args.deadline else None
-        plans.update(run_plans(outdir, args.workdir, args.only, deadline))
-        args.kv_budgets = preempt_budgets(chosen, plans)
+        if args.preempt_sim:
+            sim = read_preemption_sim(args.preempt_sim, args)
+        else:
+            sim = run_preemption_sim(outdir, args, deadline)
+            if not sim:
+                print(
+                    "preemption_sim wrote no budgets (logs/preemption_sim.log): "
+                    "the cells keep the matrix's budget",
+                    flush=True,
+                )
+        for name, chosen_budget in sim.items():
+            args.kv_budgets[name] = chosen_budget["kv_bytes"]
+            predicted[name] = chosen_budget["preemptions"]
         print(f"preemption budgets (KV bytes): {args.kv_budgets}", flush=True)
-    elif args.plan:
+    if args.plan:
         deadline = t0 + args.deadline if args.deadline else None
         planner = threading.Thread(
             target=lambda: plans.update(
@@ -1037,6 +1123,8 @@ def run_matrix(args: argparse.Namespace) -> int:
         flush=True,
     )
     records = run_engines(engines, ckpts, args, outdir, t0)
+    for name, counts in predicted.items():
+        records.get(name, {})["preempt_predicted"] = counts
     if planner is not None:
         planner.join(timeout=30)
     phases = build_phases(
@@ -1114,7 +1202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds for the whole run (0: none); engines that cannot start "
         "before it are recorded NOT RUN",
     )
-    p.add_argument("--only", help="cells whose name (model.kv.spec.mode) contains this")
+    p.add_argument(
+        "--only",
+        help="cells whose name (model.kv.spec.mode) contains this, or one of "
+        "these comma-separated substrings",
+    )
     p.add_argument("--workdir", default=None, help="checkpoints (default OUTDIR/work)")
     p.add_argument("--cache", type=Path, default=None, help="TRITON/VLLM cache root")
     p.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per engine")
@@ -1148,9 +1240,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--preempt",
         action="store_true",
-        help=f"prefix-caching engines get KV memory for {PREEMPT_REQUESTS} "
-        "max-length requests (from the CPU plan, run first), so batches of hit "
-        "requests are preempted; cold engines keep the matrix's budget",
+        help="prefix-caching engines get the KV budget at which vLLM's "
+        "scheduler preempts them, serving the same requests on CPU "
+        "(preemption_sim.py, run first); cold engines keep the matrix's budget",
+    )
+    p.add_argument(
+        "--preempt-sim",
+        type=Path,
+        metavar="JSON",
+        help="with --preempt: the budgets of an earlier preemption_sim run of "
+        "the same settings, instead of simulating first",
     )
     p.add_argument(
         "--no-plan",
@@ -1178,6 +1277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.hits < 1:
         p.error("--hits: at least 1")
+    if args.preempt_sim and not args.preempt:
+        p.error("--preempt-sim: only with --preempt (it holds preemption budgets)")
     if args.deadline == 0:
         args.deadline = None
     return args

@@ -148,6 +148,31 @@ def cell_request(cell: pcm.Cell, model_dir: str) -> Any:
     )
 
 
+def planned_kv_cache_config(req: Any) -> tuple[Any, Any]:
+    """(vllm_config, the scheduler's KV-cache config) that the engine plans
+    for the capacity request ``req`` on this host: plan_capacity's steps,
+    keeping the config it reports on. The config carries its block count
+    (``cache_config.num_gpu_blocks``), as the engine's does."""
+    from vllm.v1.core import kv_cache_capacity as kcc
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+    )
+
+    kcc.use_planning_platform()
+    vllm_config = kcc.engine_config(
+        req, kcc.parse_device_capability(req.device_capability)
+    )
+    layers = kcc.all_layers(vllm_config)
+    layers += kcc.raw_window_twins(vllm_config, layers)
+    kcc.plan_block_size(vllm_config, layers, False)
+    specs, _ = kcc.kv_cache_specs(vllm_config, layers, False)
+    configs = get_kv_cache_configs(vllm_config, [specs], [kcc.available_kv_memory(req)])
+    config = generate_scheduler_kv_cache_config(configs)
+    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    return vllm_config, config
+
+
 @contextlib.contextmanager
 def _ngram_engine_args(cell: pcm.Cell):
     """The planner's EngineArgs with ngram speculation for an ngram cell."""
@@ -428,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--markdown", type=Path, help="write the table here")
     p.add_argument("--json", type=Path, help="write the rows here")
-    p.add_argument("--only", help="cells whose name (model.kv.spec.mode) contains this")
+    p.add_argument(
+        "--only",
+        help="cells whose name (model.kv.spec.mode) contains this, or one of "
+        "these comma-separated substrings",
+    )
     p.add_argument("--tiny-only", action="store_true", help="no full-size records")
     p.add_argument(
         "--with-cold",
@@ -441,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cells = plan_cells(args.tiny_only, with_cold=args.with_cold or bool(args.markdown))
-    cells = [c for c in cells if not args.only or args.only in c.name]
-    if not cells:
-        p.error(f"--only {args.only!r}: no cell name contains it")
+    cells = pcm.select(cells, args.only)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.workdir or Path(tmp)
         dirs = write_configs(root, {c.model for c in cells})

@@ -5,6 +5,8 @@ and the gate's lanes their own bases, below Linux's ephemeral ports."""
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.models.tiny_hybrids import ports
 
 
@@ -48,3 +50,21 @@ def test_the_gate_gives_each_lane_a_base(monkeypatch, tmp_path):
     lanes = [gpu_gate.Lane(name, ["true"], 0) for name in ("a", "b", "c")]
     gpu_gate.run_lanes(lanes, tmp_path, deadline=1e12, t0=0.0)
     assert seen == [ports.lane_base(i) for i in range(3)]
+
+
+def test_processes_sharing_a_range_split_it(monkeypatch):
+    monkeypatch.setenv(ports.PORT_BASE_ENV, ports.lane_base(1))
+    monkeypatch.delenv(ports.PORT_CHILDREN_ENV, raising=False)
+    shares = [ports.share_env(i, 4) for i in range(4)]
+    base = int(ports.lane_base(1))
+    starts = [int(s[ports.PORT_BASE_ENV]) for s in shares]
+    span = ports.PORTS_PER_CHILD * int(shares[0][ports.PORT_CHILDREN_ENV])
+    assert starts == [base + span * i for i in range(4)]
+    assert starts[-1] + span <= base + ports.PORTS_PER_BASE
+    # A process of one share counts its children inside the share.
+    monkeypatch.setenv(ports.PORT_BASE_ENV, shares[3][ports.PORT_BASE_ENV])
+    monkeypatch.setenv(ports.PORT_CHILDREN_ENV, shares[3][ports.PORT_CHILDREN_ENV])
+    got = {int(ports.child_port_env()["VLLM_PORT"]) for _ in range(2 * 12)}
+    assert min(got) == starts[3] and max(got) < starts[3] + span
+    with pytest.raises(ValueError, match="at most 12 processes at once"):
+        ports.share_env(0, 13)

@@ -89,6 +89,11 @@ def test_only_narrows_and_keeps_what_a_cell_is_compared_with():
     ]
     with pytest.raises(SystemExit, match="no cell name contains"):
         pcm.select(pcm.cells(), "gemma")
+    both = pcm.select(pcm.cells(), "qwen3_5.auto.none.align,qwen3_next.auto.mtp.all")
+    assert [c.name for c in both] == [
+        "qwen3_next.auto.mtp.all",
+        "qwen3_5.auto.none.align",
+    ]
 
 
 def test_engine_kwargs():
@@ -425,18 +430,9 @@ def test_tables_render_every_row():
     assert "no / way" in md  # a pipe in a cell cannot break the table
 
 
-def test_preemption_budgets_come_from_the_plans_concurrency():
+def test_preemption_budgets_reach_the_cells_not_the_cold_engines():
     hybrid = pcm.Cell("qwen3_next", "auto", "none", "align")
-    dense = pcm.Cell("qwen3_dense", "auto", "none", pcm.DENSE_MODE)
-    plans = {
-        hybrid.name: {"max_concurrency": 10.0},
-        dense.name: {"max_concurrency": None},  # a plan that did not say
-        hybrid.cold().name: {"max_concurrency": 12.0},
-    }
-    budgets = pcm.preempt_budgets([hybrid, dense, hybrid.cold()], plans)
-    assert budgets == {
-        hybrid.name: int(pcm.KV_CACHE_MEMORY_BYTES * pcm.PREEMPT_REQUESTS / 10.0)
-    }
+    budgets = {hybrid.name: 21_882_586}
     kwargs = pcm.engine_kwargs(hybrid, CKPTS, kv_bytes=budgets[hybrid.name])
     assert kwargs["kv_cache_memory_bytes"] == budgets[hybrid.name]
     args = SimpleNamespace(
@@ -465,6 +461,9 @@ def test_preemptions_are_counted_and_shown():
     assert row["verdict"] == "exact" and row["preemptions"] == 4
     assert "plan" not in row  # planned at the matrix's budget, not this one
     assert "| 4 |" in pcm.format_markdown([row])
+    simulated = {**_rec(), "preemptions": 4, "preempt_predicted": [4, 5, 4]}
+    row = pcm.cell_row(cell, _records(cell, simulated), PHASES, plans, budgets)
+    assert "| 4 (sim 4/5/4) |" in pcm.format_markdown([row])
     row = pcm.cell_row(
         cell, _records(cell, {**_rec(), "preemptions": 0}), PHASES, plans, budgets
     )
@@ -481,6 +480,35 @@ def test_parse_args():
         pcm.parse_args(["out", "--prefix-lens", "9000"])
     with pytest.raises(SystemExit):
         pcm.parse_args([])
+    with pytest.raises(SystemExit):
+        pcm.parse_args(["out", "--preempt-sim", "sim.json"])  # without --preempt
+
+
+def test_budgets_simulated_elsewhere_must_be_for_this_run(tmp_path, capsys):
+    argv = ["out", "--preempt", "--only", "qwen3_5_split.auto", "--hits", "8"]
+    args = pcm.parse_args([*argv, "--preempt-sim", str(tmp_path / "sim.json")])
+    settings = pcm.preemption_settings(8, pcm.NEW_TOKENS, pcm.WARM_SUFFIX_LEN,
+                                       list(pcm.PREFIX_LENS))  # fmt: skip
+    names = [c.name for c in pcm.select(pcm.cells(), "qwen3_5_split.auto")]
+    budget = {"kv_bytes": 1 << 26, "preemptions": [3, 4, 3]}
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps({"settings": settings,
+                               "cells": {n: budget for n in names}}))  # fmt: skip
+    assert pcm.read_preemption_sim(sim, args) == {n: budget for n in names}
+
+    def refused(data) -> str:
+        sim.write_text(data if isinstance(data, str) else json.dumps(data))
+        with pytest.raises(SystemExit) as e:
+            pcm.read_preemption_sim(sim, args)
+        assert e.value.code == 2
+        return capsys.readouterr().out
+
+    other = {**settings, "new_tokens": 32, "hits": 4}
+    out = refused({"settings": other, "cells": {n: budget for n in names}})
+    assert "hits 4 here 8" in out and "new_tokens 32 here" in out
+    out = refused({"settings": settings, "cells": {names[0]: budget}})
+    assert f"no budget for {names[1]}" in out
+    assert "not preemption_sim's output" in refused("{}")
 
 
 # --- CPU plan -------------------------------------------------------------------

@@ -4,6 +4,7 @@
 short tensor has no page past it), Mamba groups take ids from A up first, and
 admission holds back a request whose attention blocks do not fit below A."""
 
+import dataclasses
 import random
 
 import pytest
@@ -15,12 +16,7 @@ from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_block_split import mamba_group_ids, split_point
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import (
-    generate_scheduler_kv_cache_config,
-    get_kv_cache_configs,
-    get_request_block_hasher,
-    init_none_hash,
-)
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.split_block_pool import SplitBlockPool, SplitFreeBlockQueue
 from vllm.v1.kv_cache_interface import (
@@ -30,7 +26,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
 )
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -213,6 +208,7 @@ def planned_scheduler(model: str, kv: str, blocks_of_pages: int):
     """The engine's scheduler for ``model`` with MTP (3 draft tokens) and
     prefix caching in align mode, on KV memory of ``blocks_of_pages`` pages
     of every layer slot, planned as the engine plans it (on this host)."""
+    from tests.models.tiny_hybrids.prefix_cache_plan import planned_kv_cache_config
     from vllm.v1.core import kv_cache_capacity as capacity
 
     req = capacity.CapacityRequest(
@@ -221,27 +217,17 @@ def planned_scheduler(model: str, kv: str, blocks_of_pages: int):
         kv_cache_dtype=kv,
         num_speculative_tokens=3,
         language_model_only=True,
-        kv_cache_memory_bytes=1,
+        kv_cache_memory_bytes=2**30,  # for the page size; sized below
         max_num_batched_tokens=512,
         usage_context="llm",
         enable_prefix_caching=True,
         mamba_cache_mode="align",
     )
-    capacity.use_planning_platform()
-    vllm_config = capacity.engine_config(
-        req, capacity.parse_device_capability(req.device_capability)
-    )
-    layers = capacity.all_layers(vllm_config)
-    layers += capacity.raw_window_twins(vllm_config, layers)
-    capacity.plan_block_size(vllm_config, layers, False)
-    specs, _ = capacity.kv_cache_specs(vllm_config, layers, False)
-    page = max(spec.page_size_bytes for spec in specs.values())
+    vllm_config, config = planned_kv_cache_config(req)
+    page = max(g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups)
     slots = 4  # 3 attention layers and MTP's beside GDN groups of 3
-    config = get_kv_cache_configs(
-        vllm_config, [specs], [page * slots * blocks_of_pages]
-    )
-    config = generate_scheduler_kv_cache_config(config)
-    vllm_config.cache_config.num_gpu_blocks = config.num_blocks
+    req = dataclasses.replace(req, kv_cache_memory_bytes=page * slots * blocks_of_pages)
+    vllm_config, config = planned_kv_cache_config(req)
     vllm_config.scheduler_config.async_scheduling = False
     scheduler = Scheduler(
         vllm_config=vllm_config,
@@ -257,6 +243,8 @@ def serve_until_done(scheduler: Scheduler, config: KVCacheConfig, seed: int = 0)
     """Ten requests on a shared 700-token prefix, 300 tokens each, MTP drafts
     accepted at random; returns the requests and the first attention block
     id found at or past the split, if any."""
+    from tests.models.tiny_hybrids.preemption_sim import step
+
     rng = random.Random(seed)
     split = split_point(config)
     mamba = mamba_group_ids(config.kv_cache_groups)
@@ -268,40 +256,18 @@ def serve_until_done(scheduler: Scheduler, config: KVCacheConfig, seed: int = 0)
         tokens = prefix + [rng.randrange(1000) for _ in range(rng.randrange(50, 900))]
         reqs.append(Request(f"r{i}", tokens, params, None, block_hasher=hasher))
         scheduler.add_request(reqs[-1])
-    past_split = None
+    past_split = []
+
+    def seen(out):
+        for rid in out.num_scheduled_tokens:
+            ids = scheduler.kv_cache_manager.get_block_ids(rid)
+            for group, blocks in enumerate(ids):
+                if group not in mamba:
+                    past_split.extend(b for b in blocks if b >= split)
+
     while not all(r.is_finished() for r in reqs):
-        out = scheduler.schedule()
-        ids = list(out.num_scheduled_tokens)
-        for rid in ids:
-            for group, blocks in enumerate(
-                scheduler.kv_cache_manager.get_block_ids(rid)
-            ):
-                if group not in mamba and past_split is None:
-                    past_split = next((b for b in blocks if b >= split), None)
-        sampled = []
-        for rid in ids:
-            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
-            accepted = drafts[: rng.randrange(len(drafts) + 1)]
-            request = scheduler.requests[rid]
-            prefill = request.is_prefill_chunk
-            sampled.append([] if prefill else [*accepted, rng.randrange(1000)])
-        scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                sampled_token_ids=sampled,
-            ),
-        )
-        live = [
-            rid
-            for rid in ids
-            if rid in scheduler.requests
-            and not scheduler.requests[rid].is_prefill_chunk
-        ]
-        drafts = [[rng.randrange(1000) for _ in range(3)] for _ in live]
-        scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
-    return reqs, past_split
+        step(scheduler, rng, 3, seen)
+    return reqs, past_split[0] if past_split else None
 
 
 @pytest.mark.parametrize("kv", ["auto", "turboquant_4bit_nc"])
