@@ -70,7 +70,7 @@ def planned_config(cell: pcm.Cell, model_dir: str, kv_bytes: int) -> tuple:
     req = dataclasses.replace(
         pcp.cell_request(cell, model_dir), kv_cache_memory_bytes=kv_bytes
     )
-    with pcp._ngram_engine_args(cell):
+    with pcp.ngram_engine_args(cell):
         return pcp.planned_kv_cache_config(req)
 
 

@@ -174,7 +174,7 @@ def planned_kv_cache_config(req: Any) -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def _ngram_engine_args(cell: pcm.Cell):
+def ngram_engine_args(cell: pcm.Cell):
     """The planner's EngineArgs with ngram speculation for an ngram cell."""
     from vllm.v1.core import kv_cache_capacity as kcc
 
@@ -255,7 +255,7 @@ def plan_cell(cell: pcm.Cell, model_dir: str) -> dict[str, Any]:
         max_model_len=req.max_model_len,
     )
     try:
-        with _ngram_engine_args(cell):
+        with ngram_engine_args(cell):
             report = kcc.plan_capacity(req)
     except Exception as e:  # the planner's input errors and refusals alike
         row["error"] = f"{type(e).__name__}: {_first_line(e)}"
