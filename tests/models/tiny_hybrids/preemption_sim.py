@@ -71,7 +71,11 @@ def planned_config(cell: pcm.Cell, model_dir: str, kv_bytes: int) -> tuple:
         pcp.cell_request(cell, model_dir), kv_cache_memory_bytes=kv_bytes
     )
     with pcp.ngram_engine_args(cell):
-        return pcp.planned_kv_cache_config(req)
+        vllm_config, config = pcp.planned_kv_cache_config(req)
+    # The planner leaves it at the engine's default; the matrix's engines
+    # run at most this many requests at once.
+    vllm_config.scheduler_config.max_num_seqs = pcm.MAX_NUM_SEQS
+    return vllm_config, config
 
 
 def max_concurrency(vllm_config: Any, config: Any) -> float:
