@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import prefix_cache_plan as pcp
 
     chosen = select(args.only)
-    settings = pcm.preemption_settings(
+    settings = pcm.run_settings(
         args.hits,
         args.new_tokens,
         args.warm_suffix,

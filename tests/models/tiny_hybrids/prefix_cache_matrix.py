@@ -950,11 +950,11 @@ def run_plans(
     return {r["name"]: r for r in data["rows"]} if data else {}
 
 
-def preemption_settings(
+def run_settings(
     hits: int, new_tokens: int, warm_suffix: int, prefix_lens: list[int]
 ) -> dict[str, Any]:
-    """What preemption_sim's budgets hold for: the requests it served and
-    the engine configuration it planned."""
+    """The requests a run serves and the engine configuration it plans: what
+    a run's JSON records and what preemption_sim's budgets hold for."""
     return {
         "hits": hits,
         "new_tokens": new_tokens,
@@ -966,12 +966,12 @@ def preemption_settings(
     }
 
 
-def read_preemption_sim(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+def read_preemption_sim(
+    path: Path, args: argparse.Namespace, chosen: list[Cell]
+) -> dict[str, Any]:
     """preemption_sim's cells from ``path``, refused (exit 2) when it
-    simulated other settings than this run's or misses one of its cells."""
-    want = preemption_settings(
-        args.hits, args.new_tokens, args.warm_suffix, args.prefix_lens
-    )
+    simulated other settings than this run's or misses one of ``chosen``."""
+    want = run_settings(args.hits, args.new_tokens, args.warm_suffix, args.prefix_lens)
     try:
         data = json.loads(path.read_text())
         got, cells_ = data["settings"], data["cells"]
@@ -987,11 +987,7 @@ def read_preemption_sim(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             "--preempt-sim to simulate first"
         )
         raise SystemExit(2)
-    missing = [
-        c.name
-        for c in select(cells(), args.only)
-        if c.prefix_caching and c.name not in cells_
-    ]
+    missing = [c.name for c in chosen if c.prefix_caching and c.name not in cells_]
     if missing:
         print(
             f"--preempt-sim {path}: no budget for {', '.join(missing)}; "
@@ -1095,7 +1091,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         # The budgets come from the simulation: it runs first.
         deadline = t0 + args.deadline if args.deadline else None
         if args.preempt_sim:
-            sim = read_preemption_sim(args.preempt_sim, args)
+            sim = read_preemption_sim(args.preempt_sim, args, chosen)
         else:
             sim = run_preemption_sim(outdir, args, deadline)
             if not sim:
@@ -1138,14 +1134,10 @@ def run_matrix(args: argparse.Namespace) -> int:
         "records": records,
         "plans": plans,
         "settings": {
-            "prefix_lens": list(args.prefix_lens),
-            "hits": args.hits,
-            "warm_suffix": args.warm_suffix,
-            "new_tokens": args.new_tokens,
+            **run_settings(
+                args.hits, args.new_tokens, args.warm_suffix, args.prefix_lens
+            ),
             "cg": args.cg,
-            "max_model_len": MAX_MODEL_LEN,
-            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES,
             "kv_budgets": args.kv_budgets,
             "labels": [r.label for r in flat(phases)],
             "prompt_lengths": [len(r.tokens) for r in flat(phases)],

@@ -71,9 +71,7 @@ def test_the_output_holds_its_settings_and_is_written_whole(tmp_path, monkeypatc
     argv = [str(out), "--only", CELL.name, "--hits", "8", "--new-tokens", "320"]
     assert sim.main([*argv, "--prefix-lens", "2048"]) == 0
     data = json.loads(out.read_text())
-    assert data["settings"] == pcm.preemption_settings(
-        8, 320, pcm.WARM_SUFFIX_LEN, [2048]
-    )
+    assert data["settings"] == pcm.run_settings(8, 320, pcm.WARM_SUFFIX_LEN, [2048])
     assert list(data["cells"]) == [CELL.name]
     assert data["cells"][CELL.name]["met"]
     assert [p.name for p in tmp_path.iterdir()] == ["sim.json"]

@@ -489,19 +489,20 @@ def test_parse_args():
 def test_budgets_simulated_elsewhere_must_be_for_this_run(tmp_path, capsys):
     argv = ["out", "--preempt", "--only", "qwen3_5_split.auto", "--hits", "8"]
     args = pcm.parse_args([*argv, "--preempt-sim", str(tmp_path / "sim.json")])
-    settings = pcm.preemption_settings(8, pcm.NEW_TOKENS, pcm.WARM_SUFFIX_LEN,
+    settings = pcm.run_settings(8, pcm.NEW_TOKENS, pcm.WARM_SUFFIX_LEN,
                                        list(pcm.PREFIX_LENS))  # fmt: skip
-    names = [c.name for c in pcm.select(pcm.cells(), "qwen3_5_split.auto")]
+    chosen = pcm.select(pcm.cells(), "qwen3_5_split.auto")
+    names = [c.name for c in chosen]
     budget = {"kv_bytes": 1 << 26, "preemptions": [3, 4, 3]}
     sim = tmp_path / "sim.json"
     sim.write_text(json.dumps({"settings": settings,
                                "cells": {n: budget for n in names}}))  # fmt: skip
-    assert pcm.read_preemption_sim(sim, args) == {n: budget for n in names}
+    assert pcm.read_preemption_sim(sim, args, chosen) == {n: budget for n in names}
 
     def refused(data) -> str:
         sim.write_text(data if isinstance(data, str) else json.dumps(data))
         with pytest.raises(SystemExit) as e:
-            pcm.read_preemption_sim(sim, args)
+            pcm.read_preemption_sim(sim, args, chosen)
         assert e.value.code == 2
         return capsys.readouterr().out
 
