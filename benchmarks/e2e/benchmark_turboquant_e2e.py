@@ -26,7 +26,9 @@ so the gap to ``auto`` splits into kernels and host time (issue 10, item 3);
 a profiled pass generates at most ``PROFILE_STEPS`` tokens per sequence.
 ``--lanes`` spreads the table over several GPUs of one host: one harness
 process per lane, each on its own GPU with its own ``auto``, so every ratio
-is taken on one GPU; their rows merge into one result.
+is taken on one GPU; their rows merge into one result. Runs made apart (the
+full table in parts, one device call each) join into one table with
+``combine_turboquant_e2e.py``, each ratio kept against its own run's ``auto``.
 ``--interleave`` keeps every KV dtype's engine resident at once (an equal
 share of the memory each) and runs each repeat on all of them in turn, so a
 drift over minutes meets every configuration alike; it adds a table of each
@@ -769,9 +771,10 @@ def _close_row(row, cfg, args, error: EngineGone | None):
 
 def add_ratios(rows):
     # Per GPU where --lanes ran them: two cards of one model differ by a few
-    # per cent under load, which a ratio across them would carry.
+    # per cent under load, which a ratio across them would carry. Per run
+    # where combine_turboquant_e2e.py joined several.
     def same_gpu(r):
-        return r["model"], r.get("gpu")
+        return r["model"], r.get("gpu"), r.get("run")
 
     done = [r for r in rows if "scenarios" in r]
     by_label = {(*same_gpu(r), r["kv"]): r for r in done}
@@ -866,6 +869,12 @@ def markdown(meta, rows):
         out[2] += (
             " Each lane ran on its own GPU with its own `auto`: ratios are to the "
             "`auto` on the same GPU (the model column names it)."
+        )
+    if meta.get("runs"):
+        out[2] += (
+            " The table joins several runs (combine_turboquant_e2e.py), each with "
+            "its own `auto`: ratios are to the `auto` of the same run (the model "
+            "column names it)."
         )
     for r in rows:
         model = r["model"] if r.get("gpu") is None else f"{r['model']} (GPU {r['gpu']})"
