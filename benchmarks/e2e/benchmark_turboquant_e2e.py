@@ -980,8 +980,13 @@ def write_results(out, stamp, meta, rows, profiles, start):
     if profiles:
         md += "\n" + profile_markdown(meta, profiles)
     payload = json.dumps(dict(meta=meta, rows=rows, profiles=profiles), indent=1)
+    write_whole(out / f"e2e-{stamp}", payload, md)
+
+
+def write_whole(stem: Path, payload: str, md: str) -> None:
+    """STEM.json and STEM.md, each replaced whole or not at all."""
     for suffix, text in ((".json", payload), (".md", md)):
-        final = out / f"e2e-{stamp}{suffix}"
+        final = stem.with_name(stem.name + suffix)
         tmp = final.with_name(final.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, final)

@@ -205,12 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     md = markdown(meta, rows)
-    payload = json.dumps(dict(meta=meta, rows=rows), indent=1)
-    for suffix, text in ((".json", payload), (".md", md)):
-        final = out / f"e2e-combined-{stamp}{suffix}"
-        tmp = final.with_name(final.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, final)
+    e2e.write_whole(
+        out / f"e2e-combined-{stamp}",
+        json.dumps(dict(meta=meta, rows=rows), indent=1),
+        md,
+    )
     print(md)
     print(f"wrote {out}/e2e-combined-{stamp}.json and .md")
     return 0
