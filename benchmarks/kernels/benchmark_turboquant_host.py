@@ -40,6 +40,14 @@ skipped, and its launches). ``--cprofile`` prints where the TurboQuant
 forward's host time goes, in µs per forward: by function (cProfile), and by
 torch op; for a decode step also with its launches skipped.
 
+A decode step's forward with every launch skipped is also taken apart by
+function (``forward_by_function``): for each function on the decode path
+(``DECODE_CALLEES``), what the forward saves when that function returns
+what it returned before at once, everything it calls included; paired
+rounds in one process, host time only (with every launch skipped the host
+never waits on the GPU). The layers carry the key offset an engine's
+layers of their preset carry.
+
     python benchmarks/kernels/benchmark_turboquant_host.py
 """
 
@@ -48,6 +56,7 @@ import contextlib
 import cProfile
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -97,13 +106,15 @@ def host_and_gpu_us(fn, calls: int = CALLS) -> tuple[float, float]:
     )
 
 
-def paired_host_us(fa, fb, rounds: int = 12, calls: int = CALLS) -> dict:
+def paired_host_us(fa, fb, rounds: int = 12, calls: int = CALLS, timer=None) -> dict:
     """Host µs per call of ``fa`` and ``fb`` timed in one process, their
     rounds alternating in order (AB, BA, AB, ...): each one's median and
     minimum over its rounds, and the median of the paired differences
     ``b - a``. On one H200 host the same call read up to half more in one
     process than in the next, so two versions' host times are compared only
-    this way."""
+    this way. ``timer(fn, calls)`` times a round (default: ``_round``, with
+    the GPU kept busy)."""
+    timer = timer or _round
     fa()
     fb()
     torch.cuda.synchronize()
@@ -111,7 +122,7 @@ def paired_host_us(fa, fb, rounds: int = 12, calls: int = CALLS) -> dict:
     for r in range(rounds):
         order = ((fa, a), (fb, b)) if r % 2 == 0 else ((fb, b), (fa, a))
         for fn, times in order:
-            times.append(_round(fn, calls)[0])
+            times.append(timer(fn, calls)[0])
     return dict(
         a=statistics.median(a),
         a_min=min(a),
@@ -202,6 +213,9 @@ def _tq_layer(preset: str, num_pages: int, device):
     from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
         fp16_centroids,
     )
+    from vllm.model_executor.layers.quantization.turboquant.key_offset import (
+        takes_key_offset,
+    )
     from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
 
     with set_current_vllm_config(VllmConfig()):
@@ -215,6 +229,10 @@ def _tq_layer(preset: str, num_pages: int, device):
     )
     layer._tq_output_buf = torch.empty(512, HQ, D, device=device)
     layer._tq_lse_buf = torch.empty(512, HQ, device=device)
+    if takes_key_offset(impl):
+        # The offset bind_key_offsets gives an engine's layer: its decode
+        # computes q . mu beside the query rotation, its store marks keys.
+        layer._tq_key_offset = torch.zeros(HK, D, dtype=torch.float32, device=device)
     impl._ensure_on_device(layer, device)
     cache = torch.zeros(
         num_pages, PAGE, HK, cfg.slot_size_aligned, dtype=torch.uint8, device=device
@@ -545,6 +563,137 @@ def forward_breakdown(preset: str, device, profile_out=None) -> dict:
     return dict(forward=whole, python_only=python_only, launches=whole - python_only)
 
 
+# What a decode step's forward calls between its launches, each named by the
+# module whose global its caller reads (a function imported by name is
+# replaced where it was imported to). Outer calls first: each one's cost
+# includes the calls under it.
+DECODE_CALLEES = (
+    (
+        "vllm.v1.attention.backends.turboquant_attn",
+        "triton_turboquant_decode_attention",
+    ),
+    ("vllm.v1.attention.ops.turboquant_decode", "maybe_decode_attention"),
+    ("vllm.v1.attention.ops.turboquant_decode", "decode_attention"),
+    ("vllm.v1.attention.ops.turboquant_decode", "is_backend_hadamard"),
+    ("vllm.v1.attention.ops.turboquant_decode", "supports"),
+    ("vllm.v1.attention.ops.turboquant_decode", "slot_layout"),
+    ("vllm.v1.attention.ops.turboquant_decode", "check_key_offset"),
+    ("vllm.v1.attention.ops.turboquant_decode", "gluon_stage1"),
+    ("vllm.v1.attention.ops.turboquant_decode", "words_aligned"),
+    ("vllm.v1.attention.ops.turboquant_decode", "num_sms"),
+    ("vllm.v1.attention.ops.turboquant_decode", "gluon_num_splits"),
+    ("vllm.v1.attention.ops.turboquant_decode", "scratch_splits"),
+    ("vllm.v1.attention.ops.turboquant_decode", "scratch_view"),
+    ("vllm.v1.attention.ops.turboquant_decode", "rotate_query"),
+    ("vllm.v1.attention.ops.turboquant_decode", "rotate_query_with_offset"),
+    ("vllm.v1.attention.ops.gluon_turboquant_decode", "serves"),
+    ("vllm.v1.attention.ops.gluon_turboquant_decode", "key_table"),
+    ("vllm.v1.attention.ops.gluon_turboquant_decode", "key_tails"),
+    ("vllm.v1.attention.ops.gluon_turboquant_decode", "resident_warps"),
+    ("vllm.v1.attention.ops.gluon_turboquant_decode", "stage1"),
+    ("vllm.v1.attention.ops.triton_turboquant_decode_splitkv", "stage1"),
+    ("vllm.v1.attention.ops.triton_turboquant_decode_splitkv", "merge"),
+    ("vllm.v1.attention.ops.triton_turboquant_decode_splitkv", "rotate_output_back"),
+)
+
+
+def host_round(fn, calls: int) -> tuple[float, None]:
+    """Host µs per call of ``fn``, without keeping the GPU busy: for calls
+    that enqueue no kernel (every launch skipped)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / calls, None
+
+
+@contextlib.contextmanager
+def replaced(module, name: str, fn):
+    old = getattr(module, name)
+    setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def recorded_returns(call, targets) -> dict:
+    """What each target returned, in order, over one ``call``; every target
+    records at once, so an inner call made by an outer one counts too."""
+    import importlib
+
+    seen: dict = {}
+    with contextlib.ExitStack() as stack:
+        for module_name, name in targets:
+            module = importlib.import_module(module_name)
+            real = getattr(module, name)
+            values = seen[module_name, name] = []
+
+            def recording(*args, _real=real, _values=values, **kwargs):
+                result = _real(*args, **kwargs)
+                _values.append(result)
+                return result
+
+            stack.enter_context(replaced(module, name, recording))
+        call()
+    return seen
+
+
+def _replaying(values: list):
+    """A stand-in that returns ``values`` in turn, whatever it is passed."""
+    it = itertools.cycle(values)
+    return lambda *args, **kwargs: next(it)
+
+
+def function_costs(call, targets, pair=paired_host_us) -> dict:
+    """Host µs ``call`` saves when one target at a time returns what it
+    returned before (``recorded_returns``) without running: its own Python
+    and torch ops with everything it calls. Paired rounds (``pair``) of the
+    call as it is against the call with that target replayed; the
+    replacement is made inside every call on both sides, so each pays the
+    same for it. None for a target the call does not reach."""
+    import importlib
+
+    out = {}
+    for (module_name, name), values in recorded_returns(call, targets).items():
+        label = f"{module_name.rsplit('.', 1)[-1]}.{name}"
+        if not values:
+            out[label] = None
+            continue
+        module = importlib.import_module(module_name)
+        real = getattr(module, name)
+
+        def run(fn, _module=module, _name=name):
+            def timed():
+                with replaced(_module, _name, fn):
+                    call()
+
+            return timed
+
+        out[label] = pair(run(real), run(_replaying(values)))
+    return out
+
+
+def forward_by_function(preset: str, device) -> dict:
+    """A decode step's forward (512 rows) with every launch skipped, and what
+    it saves when one of ``DECODE_CALLEES`` returns its earlier result at
+    once: where the forward's host time goes besides its launches, measured
+    on GPU tensors (a CPU host's probe of the same code reads a quarter of
+    the GPU host's figure; benchmarks/NOTES.md, "Host time")."""
+    forward, _ = decode_step_calls(preset, device)
+    with launches_skipped():
+        forward()
+        whole = statistics.median(host_round(forward, CALLS)[0] for _ in range(ROUNDS))
+        costs = function_costs(
+            forward,
+            DECODE_CALLEES,
+            pair=lambda fa, fb: paired_host_us(fa, fb, timer=host_round),
+        )
+    return dict(
+        forward_launches_skipped=whole,
+        saved={k: (None if v is None else -v["b_minus_a"]) for k, v in costs.items()},
+    )
+
+
 def _step_text(step: dict) -> str:
     """A step's decode rows and first chunks, whichever it has."""
     parts = []
@@ -574,6 +723,7 @@ def markdown(
     store: dict | None = None,
     forward: dict | None = None,
     keys: dict | None = None,
+    by_function: dict | None = None,
 ) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
@@ -649,6 +799,30 @@ def markdown(
             "Python and torch ops); the difference, its launches:",
             forward,
         )
+    if by_function:
+        presets = list(by_function)
+        out += [
+            "",
+            "Decode step (512 rows), every launch skipped, one process, rounds "
+            "interleaved: host µs of the forward, and what it saves when one "
+            "function returns its earlier result at once (with all it calls; "
+            "`-`: not called for this preset):",
+            "",
+            "| function | " + " | ".join(presets) + " |",
+            "|---|" + "---|" * len(presets),
+            "| the forward | "
+            + " | ".join(
+                f"{by_function[p]['forward_launches_skipped']:,.1f}" for p in presets
+            )
+            + " |",
+        ]
+        for fn in by_function[presets[0]]["saved"]:
+            cells = [by_function[p]["saved"].get(fn) for p in presets]
+            out.append(
+                f"| `{fn}` | "
+                + " | ".join("-" if c is None else f"{c:,.1f}" for c in cells)
+                + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -684,6 +858,7 @@ def main(argv=None) -> int:
     store = {p: store_breakdown(p, device) for p in args.presets}
     forward = {p: forward_breakdown(p, device, prof) for p in args.presets}
     keys = {p: launch_keys_saving(p, device) for p in args.presets}
+    by_function = {p: forward_by_function(p, device) for p in args.presets}
     rows = []
     for step in args.steps:
         rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
@@ -696,7 +871,7 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows, launch, store, forward, keys)
+    md = markdown(name, rows, launch, store, forward, keys, by_function)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     payload = json.dumps(
         dict(
@@ -707,6 +882,7 @@ def main(argv=None) -> int:
             store=store,
             forward=forward,
             launch_keys=keys,
+            forward_by_function=by_function,
         ),
         indent=1,
     )

@@ -182,3 +182,110 @@ def test_the_launch_key_ab_restores_the_keys(bench, monkeypatch):
 class _Builder:
     def build(self, *args):
         return None
+
+
+_ROTATIONS = [
+    ("vllm.v1.attention.ops.turboquant_decode", "rotate_query"),
+    ("vllm.v1.attention.ops.turboquant_decode", "rotate_query_with_offset"),
+]
+
+
+@pytest.mark.parametrize(
+    "preset, rotation",
+    [
+        ("turboquant_k8v4", None),
+        ("turboquant_4bit_nc", "rotate_query_with_offset"),
+        ("turboquant_3bit_nc", "rotate_query_with_offset"),
+    ],
+)
+def test_a_decode_step_takes_the_key_offset_an_engines_layer_takes(
+    bench, preset, rotation
+):
+    """The layer the host benchmark times carries the key offset an engine's
+    layer of that preset carries (patch 0027's ``bind_key_offsets``), so its
+    decode rotates the query with ``q . mu`` as served. The CPU forward with
+    every launch skipped, each rotation's calls recorded."""
+    forward, _ = bench.decode_step_calls(preset, torch.device("cpu"))
+    with bench.launches_skipped():
+        seen = bench.recorded_returns(forward, _ROTATIONS)
+    called = [name for (_, name), values in seen.items() if values]
+    assert called == ([rotation] if rotation else [])
+
+
+def test_every_function_the_breakdown_replaces_is_where_its_caller_reads_it(bench):
+    """Each of DECODE_CALLEES is a module global its callers read at the
+    call: a renamed or moved function fails here, not as a silent `-` row."""
+    import importlib
+
+    for module_name, name in bench.DECODE_CALLEES:
+        module = importlib.import_module(module_name)
+        assert callable(module.__dict__.get(name)), f"{module_name}.{name}"
+
+
+def test_the_breakdown_replays_one_function_at_a_time(bench, monkeypatch):
+    """Each target in turn returns what it returned in the recording, in
+    order, without running; the others run; every module is as it was
+    afterwards, also when a round fails."""
+    import sys
+    import types
+
+    fake = types.ModuleType("fake_decode_path")
+    ran = []
+
+    def inner(x):
+        ran.append("inner")
+        return x * 10
+
+    def outer():
+        ran.append("outer")
+        return [fake.inner(1), fake.inner(2)]
+
+    fake.inner, fake.outer, fake.unused = inner, outer, lambda: None
+    monkeypatch.setitem(sys.modules, "fake_decode_path", fake)
+    targets = [("fake_decode_path", n) for n in ("outer", "inner", "unused")]
+    results = []
+
+    def call():
+        results.append(fake.outer())
+
+    def pair(fa, fb):
+        ran.clear()
+        fa()
+        a = list(ran)
+        ran.clear()
+        fb()
+        return dict(b_minus_a=len(ran) - len(a), a_ran=a, b_ran=list(ran))
+
+    costs = bench.function_costs(call, targets, pair=pair)
+    assert costs["fake_decode_path.unused"] is None
+    assert costs["fake_decode_path.outer"]["b_ran"] == []
+    assert costs["fake_decode_path.inner"]["b_ran"] == ["outer"]
+    assert costs["fake_decode_path.inner"]["a_ran"] == ["outer", "inner", "inner"]
+    # The replayed inner gave back 10 and 20 in turn, as the real one did.
+    assert all(r == [10, 20] for r in results)
+    assert (fake.inner, fake.outer) == (inner, outer)
+
+    def failing(fa, fb):
+        fb()
+        raise RuntimeError("round failed")
+
+    with pytest.raises(RuntimeError, match="round failed"):
+        bench.function_costs(call, targets, pair=failing)
+    assert (fake.inner, fake.outer) == (inner, outer)
+
+
+def test_the_table_shows_what_each_function_costs_the_forward(bench):
+    by_function = {
+        "turboquant_4bit_nc": dict(
+            forward_launches_skipped=101.5,
+            saved={
+                "turboquant_decode.decode_attention": 61.2,
+                "gluon_turboquant_decode.stage1": None,
+            },  # fmt: skip
+        )
+    }
+    md = bench.markdown("H200", [], by_function=by_function)
+    assert "| function | turboquant_4bit_nc |" in md
+    assert "| the forward | 101.5 |" in md
+    assert "| `turboquant_decode.decode_attention` | 61.2 |" in md
+    assert "| `gluon_turboquant_decode.stage1` | - |" in md
