@@ -5,7 +5,8 @@
 #   usage: bash scripts/gpu-gate.sh [RUNTIME_PREFIX] [tests.gpu_gate options]
 # RUNTIME_PREFIX is where ../shared/gpu-runtime/unpack.sh put the patched vLLM runtime
 # (default /opt/hkv). Results go to $OUT/gate (else ./gate-out/gate): gate.md (the
-# summary to keep as gates/<version>.md), gate.json, each lane's log. Exit 0 only when
+# summary to keep as gates/<version>.md), gate.json and logs.tar.gz (each lane's logs
+# and results), and nothing else (--keep-work keeps the checkpoints). Exit 0 only when
 # every cell passed; 1 when one failed or did not finish; 2 when there is no runtime or
 # GPU, or an option is wrong.
 set -uo pipefail

@@ -35,7 +35,9 @@ which cells the deadline cut (``out_of_time``).
     python -m tests.gpu_gate OUTDIR --combine PART_OUTDIR [PART_OUTDIR ...]
 
 Prints one table (cell, status, seconds, first root-cause line of each
-failure) and writes OUTDIR/gate.json and OUTDIR/gate.md. Exit status 0 when
+failure) and writes OUTDIR/gate.json and OUTDIR/gate.md; the lanes' logs
+and results go into OUTDIR/logs.tar.gz, and nothing else stays in OUTDIR
+(``--keep-work`` keeps the checkpoints and work folders too). Exit status 0 when
 every cell passed, 1 when any failed or did not finish (or a run of some
 lanes only), 2 for bad arguments, a host without a GPU, or parts that do not
 combine (other releases, runtimes or GPU models, a lane twice).
@@ -46,9 +48,11 @@ import importlib.util
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -552,6 +556,47 @@ def shown_rows(rows: list[Row]) -> list[Row]:
     return shown
 
 
+# A run's folder as it stays: the record and one archive of what the lanes
+# wrote (logs, results, reports). The checkpoints they built and their work
+# folders are removed (a device call brings back at most 8 files of under
+# 16 MiB each; a run leaves hundreds of megabytes in dozens), unless
+# --keep-work.
+KEPT = ("gate.md", "gate.json", "logs.tar.gz")
+ARCHIVED_SUFFIXES = (".log", ".json", ".xml", ".md", ".txt", ".gz")
+ARCHIVED_MAX_BYTES = 4 * 2**20
+
+
+def pack_outputs(outdir: Path, keep_work: bool = False) -> None:
+    """Archive the lanes' logs and results as OUTDIR/logs.tar.gz (files of
+    ``ARCHIVED_SUFFIXES`` up to ``ARCHIVED_MAX_BYTES``, none from a
+    checkpoint folder), written whole or not at all; then, unless
+    ``keep_work``, remove everything in OUTDIR but ``KEPT``."""
+    checkpoints = {p.parent for p in outdir.rglob("*.safetensors")}
+    archived = [
+        p
+        for p in sorted(outdir.rglob("*"))
+        if p.is_file()
+        and str(p.relative_to(outdir)) not in KEPT
+        and p.suffix in ARCHIVED_SUFFIXES
+        and p.stat().st_size <= ARCHIVED_MAX_BYTES
+        and not any(parent in checkpoints for parent in p.parents)
+    ]
+    tmp = outdir / "logs.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in archived:
+            tar.add(p, arcname=str(p.relative_to(outdir)))
+    os.replace(tmp, outdir / "logs.tar.gz")
+    if keep_work:
+        return
+    for child in outdir.iterdir():
+        if child.name in KEPT:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
 def write_record(
     outdir: Path,
     rows: list[Row],
@@ -655,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="write one record from earlier runs' OUTDIRs, each "
                    "with some lanes, every lane once (a one-GPU host: "
                    "--lanes spec, then the other four)")  # fmt: skip
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the lanes' checkpoints and work folders in "
+                   "OUTDIR (default: only gate.md, gate.json and logs.tar.gz "
+                   "stay)")  # fmt: skip
     p.add_argument("--serve-check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--suite-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=8731, help=argparse.SUPPRESS)
@@ -701,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
     facts = host_facts()
     given = [a for a in (argv or sys.argv[1:]) if a != str(args.outdir)]
     facts["command"] = " ".join(["bash scripts/gpu-gate.sh", *given])
-    return write_record(args.outdir, rows, facts, lanes, wall, partial)
+    rc = write_record(args.outdir, rows, facts, lanes, wall, partial)
+    pack_outputs(args.outdir, args.keep_work)
+    return rc
 
 
 if __name__ == "__main__":

@@ -187,6 +187,44 @@ def test_a_partial_run_never_passes(tmp_path, monkeypatch, capsys):
     assert "unknown ['bogus']" in capsys.readouterr().err
 
 
+def _serve_lane_with_work(lanes, outdir, deadline, t0):
+    """The serve lane as it leaves its folder: results, a server log and the
+    checkpoint it built; beside it a lane log of the gate's own."""
+    serve = outdir / "serve"
+    (serve / "ckpt" / "qwen3_next").mkdir(parents=True)
+    (serve / "serve.json").write_text(
+        json.dumps([{"lane": "serve", "cell": "server boots", "status": "ok"}])
+    )
+    (serve / "server.log").write_text("INFO started\n")
+    (serve / "ckpt" / "qwen3_next" / "config.json").write_text("{}")
+    (serve / "ckpt" / "qwen3_next" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (outdir / "serve.log").write_text("lane output\n")
+    for lane in lanes:
+        lane.rc, lane.seconds = 0, 1.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_run_leaves_its_record_and_one_archive_of_logs(tmp_path, monkeypatch, keep):
+    """A device call brings back at most 8 files of under 16 MiB: the run's
+    folder keeps gate.md, gate.json and logs.tar.gz (the lanes' logs and
+    results, no checkpoint) and nothing else, unless --keep-work."""
+    import tarfile
+
+    monkeypatch.setattr(gate, "gpu_count", lambda: 1)
+    monkeypatch.setattr(gate, "run_lanes", _serve_lane_with_work)
+    out = tmp_path / "gate"
+    argv = [str(out), "--lanes", "serve"] + (["--keep-work"] if keep else [])
+    assert gate.main(argv) == 1  # a partial run
+    kept = {"gate.md", "gate.json", "logs.tar.gz"}
+    assert {p.name for p in out.iterdir()} == kept | (
+        {"serve", "serve.log"} if keep else set()
+    )
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = sorted(tar.getnames())
+    assert names == ["serve.log", "serve/serve.json", "serve/server.log"]
+    assert json.loads((out / "gate.json").read_text())["rows"][0]["status"] == "ok"
+
+
 def test_the_table_counts_passing_test_cases_and_lists_each_failure():
     rows = [
         gate.Row("spec", "m.k.draft3.NONE", "exact", 30.0),
