@@ -503,6 +503,32 @@ def test_quick_driver_end_to_end_with_fake_engines(tmp_path, monkeypatch, inject
             assert status == expect, key
 
 
+# Speculative TurboQuant engines differ at prompt 3, token 5, where the
+# reference's top-1/top-2 gap is a thousandth of the others: a near-tie.
+_FAKE_TIE_ENGINE = _FAKE_ENGINE.replace('and args["fault"] and', "and").replace(
+    "[[1.0] * 8 for _ in outs]", "[[1.0] * 8 for _ in outs]; res['gaps'][3][5] = 1e-3"
+)
+
+
+def test_a_gate_run_exits_0_when_its_only_differences_are_flagged_near_ties(
+    tmp_path, monkeypatch
+):
+    """The gate passes a cell whose first difference is a flagged near-tie
+    (same_or_tie), and the matrix's exit status in --gate mode agrees (the
+    gate's record shows it beside the verdict). Outside --gate a run still
+    counts only exact cells."""
+    _use_fake_engines(tmp_path, monkeypatch, _FAKE_TIE_ENGINE)
+    gate = tmp_path / "gate"
+    argv = [str(gate), "--gate", "--only", "model=qwen3_next,spec=mtp1", "--jobs", "4"]
+    assert sdm.main(argv) == 0
+    rows = json.loads((gate / "matrix.json").read_text())["rows"]
+    assert {(r["kv"], r["status"]) for r in rows} == {
+        ("auto", "exact"),
+        ("turboquant_4bit_nc", "DIFF 3@5 tie"),
+    }
+    assert sdm.main([str(tmp_path / "quick"), "--quick", "--jobs", "4"]) == 1
+
+
 def test_inject_run_reuses_clean_references(tmp_path, monkeypatch):
     _use_fake_engines(tmp_path, monkeypatch, _FAKE_ENGINE)
     clean = tmp_path / "clean"
