@@ -681,7 +681,9 @@ def forward_by_function(preset: str, device) -> dict:
     the GPU host's figure; benchmarks/NOTES.md, "Host time")."""
     forward, _ = decode_step_calls(preset, device)
     with launches_skipped():
-        forward()
+        # Warm-up: on an H200 host the first pass over three presets read up
+        # to 1.8x the second, a few seconds later in the same process.
+        host_round(forward, 10 * CALLS)
         whole = statistics.median(host_round(forward, CALLS)[0] for _ in range(ROUNDS))
         costs = function_costs(
             forward,
