@@ -50,7 +50,7 @@ dense Qwen3 is the control (no Mamba cache mode). Per cell:
     python -m tests.models.tiny_hybrids.prefix_cache_matrix OUTDIR [--jobs N]
         [--deadline S] [--only SUBSTR] [--workdir DIR] [--hits N]
         [--new-tokens N] [--cg NONE|FULL_AND_PIECEWISE] [--no-plan]
-        [--preempt [--preempt-sim JSON]]
+        [--preempt [--preempt-sim JSON]] [--trained NAME=DIR ...]
     python -m tests.models.tiny_hybrids.prefix_cache_matrix --table OUTDIR/matrix.json
 
 ``--preempt`` serves each prefix-caching cell from the KV budget at which
@@ -61,6 +61,16 @@ requests then outgrows the cache, the scheduler preempts
 counts beside it) and recomputes, and hit vs cold says whether a preempted
 request, served from cached blocks again, still gives the cold engine's
 tokens.
+
+``--trained NAME=DIR`` adds the cells of a trained checkpoint (the
+real-weights issue's SmolLM2-135M and Gemma-3-270M, as
+``tests.models.real_weights.checkpoints`` converts them): a dense or
+sliding-window model, served in bf16, ``auto`` and TurboQuant, without
+speculation and with ngram. Its outputs are not a bigram chain, so its
+``ctx`` column is empty, and a TurboQuant hit that differs from cold is
+judged against TurboQuant's own spread, as on the tiny models. Its engines
+take the matrix's ``max_model_len`` or the model's own where shorter, which
+``--prefix-lens`` must fit (SmolLM2: 8,192 positions, e.g. ``2048,7168``).
 
 ``--only`` keeps the cells whose name (``model.kv.spec.mode``) contains the
 substring, or one of several separated by commas; the cold engines they need
@@ -109,6 +119,10 @@ MODELS: dict[str, tuple[str, ...]] = {
     "qwen3_dense": ("none", "ngram"),
 }
 HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_split")
+# A trained checkpoint's speculation (--trained: no MTP head) and dtype (the
+# quality harness's).
+TRAINED_SPECS = ("none", "ngram")
+TRAINED_DTYPE = "bfloat16"
 MODES = ("align", "all")
 # The dense control's mode: none passed (vLLM ignores it without Mamba layers).
 DENSE_MODE = "-"
@@ -158,10 +172,11 @@ class Cell:
         return Cell(self.model, "auto", self.spec, COLD)
 
 
-def cells() -> list[Cell]:
-    """Every prefix-caching cell, in the order they are listed."""
+def cells(trained: tuple[str, ...] = ()) -> list[Cell]:
+    """Every prefix-caching cell, in the order they are listed; then those
+    of the ``trained`` checkpoints (``--trained``)."""
     out = []
-    for model, specs in MODELS.items():
+    for model, specs in {**MODELS, **dict.fromkeys(trained, TRAINED_SPECS)}.items():
         modes = MODES if model in HYBRIDS else (DENSE_MODE,)
         out += [
             Cell(model, kv, spec, mode)
@@ -408,6 +423,22 @@ def build_checkpoints(root: Path, names: list[str]) -> dict[str, str]:
     }
 
 
+def model_max_len(path: str) -> int:
+    """The ``max_model_len`` a trained checkpoint's engines take: the
+    matrix's, or the model's positions where fewer (its config.json, or its
+    text config's)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    positions = config.get("max_position_embeddings") or (
+        config.get("text_config") or {}
+    ).get("max_position_embeddings")
+    return min(MAX_MODEL_LEN, positions or MAX_MODEL_LEN)
+
+
+def longest_request(prefix_lens: list[int], warm_suffix: int, new_tokens: int) -> int:
+    """Positions the longest request of a run takes, drafts included."""
+    return max(prefix_lens) + max(warm_suffix, 64) + new_tokens + 8
+
+
 def engine_kwargs(
     cell: Cell,
     ckpts: dict[str, str],
@@ -416,21 +447,22 @@ def engine_kwargs(
 ) -> dict:
     from . import checkpoints as ck
 
+    tiny = ck.MODELS.get(cell.model)  # None: a trained checkpoint (--trained)
     kwargs: dict[str, Any] = dict(
         model=ckpts[cell.model],
         skip_tokenizer_init=True,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=MAX_MODEL_LEN if tiny else model_max_len(ckpts[cell.model]),
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory_bytes=kv_bytes,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         kv_cache_dtype=cell.kv,
-        dtype=ck.MATRIX_DTYPE,
+        dtype=ck.MATRIX_DTYPE if tiny else TRAINED_DTYPE,
         seed=0,
         # The child reads the prefix-cache counters (LLM.get_metrics).
         disable_log_stats=False,
         enable_prefix_caching=cell.prefix_caching,
-        **ck.MODELS[cell.model].engine_kwargs,
+        **(tiny.engine_kwargs if tiny else {}),
     )
     if cell.mode in MODES:
         kwargs["mamba_cache_mode"] = cell.mode
@@ -746,7 +778,8 @@ def cell_row(
     else:
         row["hit_vs_cold"] = compare_role(cold, rec, requests, "hit")
         row["warm_vs_cold"] = compare_role(cold, rec, requests, "warm")
-        row["ctx"] = ctx_positions(cold, requests)
+        if cell.model in MODELS:  # a bigram chain: see ctx_positions
+            row["ctx"] = ctx_positions(cold, requests)
         auto = records.get(cell.auto_cold().name, {})
         if cell.kv != "auto" and "outputs" in auto:
             row["tq_spread"] = round(
@@ -1082,7 +1115,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     args.workdir = Path(args.workdir or outdir / "work")
     args.workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    chosen = select(cells(), args.only)
+    chosen = select(cells(tuple(args.trained)), args.only)
     engines = engine_plan(chosen)
     plans: dict[str, dict[str, Any]] = {}
     planner = None
@@ -1112,7 +1145,8 @@ def run_matrix(args: argparse.Namespace) -> int:
             )
         )
         planner.start()
-    ckpts = build_checkpoints(args.workdir / "ckpt", sorted({c.model for c in engines}))
+    tiny = sorted({c.model for c in engines} - set(args.trained))
+    ckpts = {**build_checkpoints(args.workdir / "ckpt", tiny), **args.trained}
     print(
         f"{len(chosen)} cells, {len(engines)} engines, {args.jobs} at a time, "
         f"deadline {args.deadline}s; checkpoints built at {time.time() - t0:.0f}s",
@@ -1249,6 +1283,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip the CPU plan run alongside the engines",
     )
+    p.add_argument(
+        "--trained",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also the cells of a trained checkpoint directory (converted by "
+        "tests.models.real_weights.checkpoints), named NAME",
+    )
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier run")
     p.add_argument("--markdown", action="store_true", help="with --table: Markdown")
     p.add_argument(
@@ -1261,7 +1303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.prefix_lens = [int(x) for x in args.prefix_lens.split(",")]
     except ValueError:
         p.error(f"--prefix-lens: expected integers, got {args.prefix_lens!r}")
-    longest = max(args.prefix_lens) + max(args.warm_suffix, 64) + args.new_tokens + 8
+    longest = longest_request(args.prefix_lens, args.warm_suffix, args.new_tokens)
     if longest > MAX_MODEL_LEN or min(args.prefix_lens) < 1:
         p.error(
             f"--prefix-lens: each must be >= 1 and leave room for a suffix and "
@@ -1271,9 +1313,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--hits: at least 1")
     if args.preempt_sim and not args.preempt:
         p.error("--preempt-sim: only with --preempt (it holds preemption budgets)")
+    args.trained = trained_checkpoints(p, args.trained, longest)
+    if args.trained and args.preempt:
+        p.error(
+            "--trained with --preempt: preemption budgets are simulated for the "
+            "tiny checkpoints only; run the trained cells without --preempt"
+        )
     if args.deadline == 0:
         args.deadline = None
     return args
+
+
+def trained_checkpoints(
+    p: argparse.ArgumentParser, given: list[str], longest: int
+) -> dict[str, str]:
+    """``--trained NAME=DIR`` as {NAME: DIR}; an error naming the entry where
+    NAME is a tiny model's or given twice, DIR holds no config.json, or the
+    run's longest request does not fit the model's positions."""
+    from . import checkpoints as ck
+
+    out: dict[str, str] = {}
+    for entry in given:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--trained {entry!r}: expected NAME=DIR")
+        if name in ck.MODELS or name in out:
+            p.error(
+                f"--trained {entry!r}: {name!r} names a tiny checkpoint or an "
+                "earlier --trained; give each trained checkpoint a name of its own"
+            )
+        if not (Path(path) / "config.json").is_file():
+            p.error(
+                f"--trained {entry!r}: {path} holds no config.json; pass a "
+                "directory tests.models.real_weights.checkpoints converted"
+            )
+        limit = model_max_len(path)
+        if longest > limit:
+            p.error(
+                f"--trained {entry!r}: the longest request takes {longest} "
+                f"positions and {name} serves {limit}; pass shorter --prefix-lens "
+                "(its longest prefix plus the warm-up message, the new tokens "
+                "and 8 must fit)"
+            )
+        out[name] = path
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

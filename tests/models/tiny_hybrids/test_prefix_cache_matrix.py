@@ -586,3 +586,79 @@ def test_plan_drives_the_planner_with_prefix_caching(tmp_path):
     )
     assert not cold["enable_prefix_caching"] and cold["mode_effective"] == "none"
     assert cold["kv_tokens"] > align["kv_tokens"]  # align keeps 2 states per request
+
+
+# --- trained checkpoints (--trained) -------------------------------------------
+
+
+def _trained_dir(tmp_path, positions=8192, nested=False):
+    """A converted checkpoint's config.json, as SmolLM2-135M's (8,192
+    positions) or, ``nested``, with the positions in its text config."""
+    path = tmp_path / "smollm2_135m"
+    path.mkdir(parents=True)
+    config = (
+        {"text_config": {"max_position_embeddings": positions}}
+        if nested
+        else {"max_position_embeddings": positions}
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_trained_checkpoint_adds_its_cells_served_in_bf16_within_its_positions(
+    tmp_path,
+):
+    path = _trained_dir(tmp_path)
+    args = pcm.parse_args(
+        ["out", "--trained", f"smollm2={path}", "--prefix-lens", "2048,7168"]
+    )
+    assert args.trained == {"smollm2": path}
+    mine = [c for c in pcm.cells(tuple(args.trained)) if c.model == "smollm2"]
+    assert [c.name for c in mine] == [
+        "smollm2.auto.none.-", "smollm2.auto.ngram.-",
+        "smollm2.turboquant_4bit_nc.none.-", "smollm2.turboquant_4bit_nc.ngram.-",
+    ]  # fmt: skip
+    assert pcm.cells() == [c for c in pcm.cells(("smollm2",)) if c.model != "smollm2"]
+    longest = max(len(r.tokens) for r in pcm.flat(pcm.build_phases((2048, 7168))))
+    for cell in pcm.engine_plan(mine):
+        kw = pcm.engine_kwargs(cell, {**CKPTS, **args.trained})
+        assert (kw["model"], kw["dtype"], kw["max_model_len"]) == (
+            path,
+            "bfloat16",
+            8192,
+        )
+        assert longest + pcm.NEW_TOKENS + 3 <= kw["max_model_len"]
+        assert "language_model_only" not in kw and "mamba_cache_mode" not in kw
+    # Positions past the matrix's own: the matrix's max_model_len.
+    nested = _trained_dir(tmp_path / "g", positions=32768, nested=True)
+    assert pcm.model_max_len(nested) == pcm.MAX_MODEL_LEN
+
+
+def test_a_trained_cell_has_no_bigram_context_column():
+    cell = pcm.Cell("smollm2", "auto", "none", pcm.DENSE_MODE)
+    row = pcm.cell_row(cell, _records(cell, _rec()), PHASES)
+    assert row["verdict"] == "exact" and "ctx" not in row
+    tiny = pcm.Cell("qwen3_dense", "auto", "none", pcm.DENSE_MODE)
+    assert "ctx" in pcm.cell_row(tiny, _records(tiny, _rec()), PHASES)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--trained", "smollm2"], "expected NAME=DIR"),
+        (["--trained", "qwen3_dense={path}"], "names a tiny checkpoint"),
+        (["--trained", "smollm2={path}/none"], "holds no config.json"),
+        ([], "the longest request takes 8776 positions and smollm2 serves 8192"),
+        (["--prefix-lens", "2048,7168", "--preempt"], "--trained with --preempt"),
+    ],
+)
+def test_trained_checkpoints_that_cannot_run_are_refused_by_name(
+    tmp_path, capsys, extra, says
+):
+    path = _trained_dir(tmp_path)
+    given = [] if extra[:1] == ["--trained"] else ["--trained", f"smollm2={path}"]
+    argv = ["out", *given, *(a.format(path=path) for a in extra)]
+    with pytest.raises(SystemExit) as bad:
+        pcm.parse_args(argv)
+    assert bad.value.code == 2
+    assert says in capsys.readouterr().err
