@@ -769,6 +769,13 @@ def _close_row(row, cfg, args, error: EngineGone | None):
         row["error_tail"] = (f"{error}\n" if error else "") + log[-3000:]
 
 
+def auto_labels(kv: str) -> tuple[str, ...]:
+    """The rows a ``kv`` row's ratios are taken against, first found first:
+    auto with the same prefix caching suffix, else plain auto."""
+    suffix = kv.removeprefix(kv_config(kv)[0])
+    return ("auto" + suffix, "auto") if suffix else ("auto",)
+
+
 def add_ratios(rows):
     # Per GPU where --lanes ran them: two cards of one model differ by a few
     # per cent under load, which a ratio across them would carry. Per run
@@ -788,10 +795,13 @@ def add_ratios(rows):
                     if s.get(key) and bs.get(key):
                         s[key + "_vs_pc_off"] = s[key] / bs[key]
     for r in done:
-        # auto with the same prefix caching, else plain auto.
-        suffix = r["kv"].removeprefix(kv_config(r["kv"])[0])
-        b = by_label.get((*same_gpu(r), "auto" + suffix)) or by_label.get(
-            (*same_gpu(r), "auto")
+        b = next(
+            (
+                by_label[key]
+                for label in auto_labels(r["kv"])
+                if (key := (*same_gpu(r), label)) in by_label
+            ),
+            None,
         )
         if not b:
             continue

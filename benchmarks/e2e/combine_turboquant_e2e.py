@@ -56,8 +56,9 @@ class Refused(ValueError):
 def load_run(path: Path) -> dict:
     try:
         run = json.loads(path.read_text())
-        run["meta"]["device"], run["rows"]  # noqa: B018 (the keys must exist)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not isinstance(run.get("rows"), list) or "device" not in run.get("meta"):
+            raise ValueError("no rows, or no meta with the device")
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         raise Refused(
             f"{path}: not a result file of benchmark_turboquant_e2e.py ({e}); "
             "pass the e2e-<time>.json files its runs wrote"
@@ -100,13 +101,14 @@ def check_cells(runs: list[tuple[Path, dict]]) -> None:
         for r in rows:
             if _reference(r["kv"]):
                 continue
-            base = "auto" + r["kv"].removeprefix(e2e.kv_config(r["kv"])[0])
+            labels = e2e.auto_labels(r["kv"])
+            base = labels[0]
             refs = [
                 x
                 for x in rows
                 if x["model"] == r["model"]
                 and x.get("gpu") == r.get("gpu")
-                and x["kv"] in (base, "auto")
+                and x["kv"] in labels
             ]
             for name in r["scenarios"]:
                 if not any(name in x["scenarios"] for x in refs):
