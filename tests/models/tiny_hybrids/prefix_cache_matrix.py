@@ -66,11 +66,15 @@ tokens.
 real-weights issue's SmolLM2-135M and Gemma-3-270M, as
 ``tests.models.real_weights.checkpoints`` converts them): a dense or
 sliding-window model, served in bf16, ``auto`` and TurboQuant, without
-speculation and with ngram. Its outputs are not a bigram chain, so its
-``ctx`` column is empty, and a TurboQuant hit that differs from cold is
-judged against TurboQuant's own spread, as on the tiny models. Its engines
-take the matrix's ``max_model_len`` or the model's own where shorter, which
-``--prefix-lens`` must fit (SmolLM2: 8,192 positions, e.g. ``2048,7168``).
+speculation and with ngram, on text prompts of its own tokens
+(``prefix_prompts``, built here and handed to its engines). Its outputs are
+not a bigram chain, so its ``ctx`` column is empty. Its engines keep their
+top raw logits: an ``auto`` hit that differs from cold passes where every
+changed token is a rounding flip (``logit_flips``; ``hit drift ulps``), and a
+TurboQuant hit is judged against TurboQuant's own spread, as on the tiny
+models. Its engines take the matrix's ``max_model_len`` or the model's own
+where shorter, which ``--prefix-lens`` must fit (SmolLM2: 8,192 positions,
+e.g. ``2048,7168``).
 
 ``--only`` keeps the cells whose name (``model.kv.spec.mode``) contains the
 substring, or one of several separated by commas; the cold engines they need
@@ -97,6 +101,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import logit_flips
 from . import spec_decode_matrix as sdm
 
 MODULE = "tests.models.tiny_hybrids.prefix_cache_matrix"
@@ -260,6 +265,7 @@ def build_phases(
     hits: int = HITS,
     suffixes: list[list[int]] | None = None,
     warm_suffix_len: int = WARM_SUFFIX_LEN,
+    text: Any = None,
 ) -> list[list[Request]]:
     """One ``generate`` call per phase: per prefix length, a group whose
     warm-up request carries a user message of its own (``warm_suffix_len``
@@ -268,21 +274,27 @@ def build_phases(
     (``-pre``); each warm-up phase is followed by a phase of ``hits``
     requests with that prefix and the next suffixes. Every group has its own
     prefix (its own seed), so no group hits another's. ``suffixes`` default:
-    the screened matrix prompts (bigram_prompts)."""
-    if suffixes is None:
+    the screened matrix prompts (bigram_prompts). ``text`` (a trained
+    checkpoint's ``prefix_prompts.CorpusPrompts``): the prefixes are its
+    documents and the messages its passages instead."""
+    document = passage = prefix_tokens
+    if text is not None:
+        document, passage = text.document, text.passage
+        suffixes = text.messages(1 + hits, PREFIX_SEED + 100)
+    elif suffixes is None:
         from .checkpoints import bigram_prompts
 
         suffixes = bigram_prompts(1 + hits)
     if len(suffixes) < 1 + hits:
         raise ValueError(f"need {1 + hits} suffixes, got {len(suffixes)}")
     filler = max(0, warm_suffix_len - len(suffixes[0]))
-    warm_suffix = prefix_tokens(filler, PREFIX_SEED - 1) + list(suffixes[0])
+    warm_suffix = passage(filler, PREFIX_SEED - 1) + list(suffixes[0])
     phases: list[list[Request]] = []
     index = 0
     for prewarm in (False, True):
         for length in prefix_lens:
             group = group_name(length, prewarm)
-            prefix = prefix_tokens(length, PREFIX_SEED + index)
+            prefix = document(length, PREFIX_SEED + index)
             index += 1
             warm = prefix if prewarm else prefix + warm_suffix
             phases.append([Request(group, "warm", length, tuple(warm))])
@@ -462,7 +474,7 @@ def engine_kwargs(
         # The child reads the prefix-cache counters (LLM.get_metrics).
         disable_log_stats=False,
         enable_prefix_caching=cell.prefix_caching,
-        **(tiny.engine_kwargs if tiny else {}),
+        **(tiny.engine_kwargs if tiny else {"logprobs_mode": "raw_logits"}),
     )
     if cell.mode in MODES:
         kwargs["mamba_cache_mode"] = cell.mode
@@ -558,17 +570,22 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
         max_tokens=args["new_tokens"],
         temperature=0.0,
         ignore_eos=True,
-        logprobs=2 if args.get("logprobs") else None,
+        logprobs=logit_flips.TOP_LOGITS if args.get("logprobs") else None,
     )
-    phases = build_phases(
-        tuple(args["prefix_lens"]), args["hits"], warm_suffix_len=args["warm_suffix"]
-    )
-    outputs, cached, gaps, counts = [], [], [], []
+    phases = args.get("phases") or [
+        [list(r.tokens) for r in phase]
+        for phase in build_phases(
+            tuple(args["prefix_lens"]),
+            args["hits"],
+            warm_suffix_len=args["warm_suffix"],
+        )
+    ]
+    outputs, cached, gaps, top_logits, counts = [], [], [], [], []
     start = time.perf_counter()
     for phase in phases:
         before = prefix_counters(llm.get_metrics())
         outs = llm.generate(
-            [{"prompt_token_ids": list(r.tokens)} for r in phase],
+            [{"prompt_token_ids": tokens} for tokens in phase],
             params,
             use_tqdm=False,
         )
@@ -578,11 +595,15 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
             outputs.append(list(o.outputs[0].token_ids))
             cached.append(o.num_cached_tokens)
             if args.get("logprobs"):
-                row = []
+                row, pairs = [], []
                 for lp in o.outputs[0].logprobs or []:
-                    top = sorted((v.logprob for v in lp.values()), reverse=True)
-                    row.append(top[0] - top[1] if len(top) > 1 else None)
+                    top = sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+                    row.append(
+                        top[0][1].logprob - top[1][1].logprob if len(top) > 1 else None
+                    )
+                    pairs.append([[t, v.logprob] for t, v in top])
                 gaps.append(row)
+                top_logits.append(pairs)
     result: dict[str, Any] = {
         "engine": facts,
         "outputs": outputs,
@@ -594,6 +615,7 @@ def run_child(args: dict[str, Any]) -> dict[str, Any]:
     }
     if args.get("logprobs"):
         result["gaps"] = gaps
+        result["top_logits"] = top_logits
     return result
 
 
@@ -606,7 +628,10 @@ def child_args(cell: Cell, ckpts: dict[str, str], args: argparse.Namespace) -> d
         "warm_suffix": args.warm_suffix,
         "new_tokens": args.new_tokens,
         # Cold engines are the references: their top-1/top-2 gaps mark ties.
-        "logprobs": not cell.prefix_caching,
+        # A trained checkpoint's engines all keep their top logits
+        # (logit_flips: how far a hit moved them).
+        "logprobs": not cell.prefix_caching or cell.model not in MODELS,
+        "phases": getattr(args, "text_phases", {}).get(cell.model),
     }
 
 
@@ -718,6 +743,10 @@ def verdict(cell: Cell, row: dict[str, Any]) -> str:
     hit, warm = row["hit_vs_cold"], row["warm_vs_cold"]
     if hit.get("status") == "exact" and warm.get("status") == "exact":
         verdict_ = "exact"
+    elif cell.kv == "auto" and all(
+        (row.get(f"{role}_flips") or {}).get("rounding") for role in ("hit", "warm")
+    ):
+        verdict_ = "rounding flips"
     elif cell.kv == "auto" or row.get("tq_spread") is None:
         bad = hit if hit.get("status") != "exact" else warm
         which = "hit" if bad is hit else "warm"
@@ -780,6 +809,11 @@ def cell_row(
         row["warm_vs_cold"] = compare_role(cold, rec, requests, "warm")
         if cell.model in MODELS:  # a bigram chain: see ctx_positions
             row["ctx"] = ctx_positions(cold, requests)
+        if "top_logits" in cold and "top_logits" in rec:  # trained checkpoints
+            for role in ("hit", "warm"):
+                row[f"{role}_flips"] = logit_flips.flips(
+                    cold, rec, _indices(requests, role=role)
+                )
         auto = records.get(cell.auto_cold().name, {})
         if cell.kv != "auto" and "outputs" in auto:
             row["tq_spread"] = round(
@@ -832,29 +866,41 @@ def _pages(engine: dict[str, Any]) -> str:
     return f"{text} (GDN {state})" if state else text
 
 
-TABLE_COLUMNS = (
-    "model",
-    "kv",
-    "spec",
-    "mode",
-    "boot",
-    "mode eff",
-    "attn block",
-    "page B",
-    "KV tokens",
-    "plan",
-    "preempted",
-    *(f"hit {g}" for g in ("2K", "8K", "2K-pre", "8K-pre")),
-    "hit vs cold",
-    "warm vs cold",
-    "ctx",
-    "TQ spread",
-    "verdict",
-    "s",
-)
+HIT_GROUPS = ("2K", "8K", "2K-pre", "8K-pre")
+
+
+def hit_groups(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The request groups of a run's rows (its prefix lengths), in order."""
+    found = [g for r in rows for g in r.get("hit_rates") or {}]
+    return tuple(dict.fromkeys(found)) or HIT_GROUPS
+
+
+def table_columns(groups: tuple[str, ...] = HIT_GROUPS) -> tuple[str, ...]:
+    return (
+        "model",
+        "kv",
+        "spec",
+        "mode",
+        "boot",
+        "mode eff",
+        "attn block",
+        "page B",
+        "KV tokens",
+        "plan",
+        "preempted",
+        *(f"hit {g}" for g in groups),
+        "hit vs cold",
+        "warm vs cold",
+        "ctx",
+        "hit drift ulps",
+        "TQ spread",
+        "verdict",
+        "s",
+    )
 
 
 def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    groups = hit_groups(rows)
     lines = []
     for r in rows:
         engine = r.get("engine", {})
@@ -890,10 +936,11 @@ def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 f"{kv_tokens:,}" if kv_tokens else "-",
                 plan_text if engine else "-",
                 _preempted(r),
-                *(_hit_cell(hits.get(g)) for g in ("2K", "8K", "2K-pre", "8K-pre")),
+                *(_hit_cell(hits.get(g)) for g in groups),
                 _cmp(hit),
                 _cmp(warm),
                 str(r.get("ctx", "-")),
+                logit_flips.describe(r.get("hit_flips")),
                 _pct(r.get("tq_spread")) if r.get("tq_spread") is not None else "-",
                 r["verdict"],
                 str(r.get("wall") or "-"),
@@ -918,15 +965,16 @@ def _cmp(c: dict[str, Any]) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    out = sdm.aligned(TABLE_COLUMNS, table_lines(rows))
+    out = sdm.aligned(table_columns(hit_groups(rows)), table_lines(rows))
     exact = sum(r["verdict"].startswith("exact") for r in rows)
     out.append(f"{exact}/{len(rows)} cells exact (hit and warm requests vs cold)")
     return "\n".join(out)
 
 
 def format_markdown(rows: list[dict[str, Any]], header: str = "") -> str:
-    head = "| " + " | ".join(TABLE_COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|"
+    columns = table_columns(hit_groups(rows))
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
     body = [
         "| " + " | ".join(x.replace("|", "/") for x in line) + " |"
         for line in table_lines(rows)
@@ -1152,6 +1200,11 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"deadline {args.deadline}s; checkpoints built at {time.time() - t0:.0f}s",
         flush=True,
     )
+    text_phases = trained_phases(args, {c.model for c in engines})
+    args.text_phases = {
+        name: [[list(r.tokens) for r in phase] for phase in phases]
+        for name, phases in text_phases.items()
+    }
     records = run_engines(engines, ckpts, args, outdir, t0)
     for name, counts in predicted.items():
         records.get(name, {})["preempt_predicted"] = counts
@@ -1160,7 +1213,10 @@ def run_matrix(args: argparse.Namespace) -> int:
     phases = build_phases(
         tuple(args.prefix_lens), args.hits, warm_suffix_len=args.warm_suffix
     )
-    rows = [cell_row(c, records, phases, plans, args.kv_budgets) for c in chosen]
+    rows = [
+        cell_row(c, records, text_phases.get(c.model, phases), plans, args.kv_budgets)
+        for c in chosen
+    ]
     cold_rows = [cold_row(c, records) for c in engines if c.mode == COLD]
     result = {
         "rows": rows,
@@ -1173,6 +1229,7 @@ def run_matrix(args: argparse.Namespace) -> int:
             ),
             "cg": args.cg,
             "kv_budgets": args.kv_budgets,
+            "text_phases": {n: phases_json(p) for n, p in text_phases.items()},
             "labels": [r.label for r in flat(phases)],
             "prompt_lengths": [len(r.tokens) for r in flat(phases)],
         },
@@ -1190,7 +1247,38 @@ def run_matrix(args: argparse.Namespace) -> int:
         if r["boot"] != "ok":
             print(f"  cold engine {r['name']}: {r['boot']}")
     print(f"{time.time() - t0:.0f}s; {outdir / 'matrix.json'}, {outdir / 'matrix.md'}")
-    return 0 if all(r["verdict"].startswith(("exact", "within")) for r in rows) else 1
+    passed = ("exact", "within", "rounding")
+    return 0 if all(r["verdict"].startswith(passed) for r in rows) else 1
+
+
+def trained_phases(
+    args: argparse.Namespace, models: set[str]
+) -> dict[str, list[list[Request]]]:
+    """The phases of each trained checkpoint among ``models``: the tiny
+    checkpoints' layout, in corpus text of its own tokens (prefix_prompts)."""
+    from tests.models.real_weights.prefix_prompts import CorpusPrompts
+
+    return {
+        name: build_phases(
+            tuple(args.prefix_lens),
+            args.hits,
+            warm_suffix_len=args.warm_suffix,
+            text=CorpusPrompts.from_checkpoint(path),
+        )
+        for name, path in args.trained.items()
+        if name in models
+    }
+
+
+def phases_json(phases: list[list[Request]]) -> list[list[dict[str, Any]]]:
+    return [[dataclasses.asdict(r) for r in phase] for phase in phases]
+
+
+def phases_from_json(data: list[list[dict[str, Any]]]) -> list[list[Request]]:
+    return [
+        [Request(**{**r, "tokens": tuple(r["tokens"])}) for r in phase]
+        for phase in data
+    ]
 
 
 def table_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1204,11 +1292,21 @@ def table_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
         settings["hits"],
         warm_suffix_len=settings["warm_suffix"],
     )
+    text = {
+        name: phases_from_json(recorded)
+        for name, recorded in (settings.get("text_phases") or {}).items()
+    }
     names = [r["name"] for r in data["rows"]]
-    by_name = {c.name: c for c in cells()}
+    by_name = {c.name: c for c in cells(tuple(text))}
     budgets = settings.get("kv_budgets")
     return [
-        cell_row(by_name[n], data["records"], phases, data.get("plans"), budgets)
+        cell_row(
+            by_name[n],
+            data["records"],
+            text.get(by_name[n].model, phases),
+            data.get("plans"),
+            budgets,
+        )
         for n in names
     ]
 

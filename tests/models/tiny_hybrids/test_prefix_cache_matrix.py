@@ -426,10 +426,21 @@ def test_tables_render_every_row():
     md = pcm.format_markdown(rows, "header")
     lines = md.strip().splitlines()
     assert lines[0] == "header"
-    assert lines[2].count("|") == len(pcm.TABLE_COLUMNS) + 1
+    columns = len(pcm.table_columns(("64", "64-pre")))
     assert len(lines) == 2 + 2 + len(rows)
-    assert all(line.count("|") == len(pcm.TABLE_COLUMNS) + 1 for line in lines[2:])
+    assert all(line.count("|") == columns + 1 for line in lines[2:])
     assert "no / way" in md  # a pipe in a cell cannot break the table
+
+
+def test_hit_columns_are_the_runs_prefix_lengths():
+    """The first trained run (2K and 7K prefixes) showed its 7K hits as "-":
+    the columns were 2K and 8K whatever the run served."""
+    cell = pcm.Cell("qwen3_next", "auto", "none", "align")
+    row = pcm.cell_row(cell, _records(cell, _rec()), PHASES)
+    head = pcm.format_table([row]).splitlines()[0]
+    assert "hit 64 " in head and "hit 64-pre" in head
+    assert "hit 8K" not in head
+    assert "48, pred 64" in pcm.format_table([row])
 
 
 def test_preemption_budgets_reach_the_cells_not_the_cold_engines():
@@ -662,3 +673,107 @@ def test_trained_checkpoints_that_cannot_run_are_refused_by_name(
         pcm.parse_args(argv)
     assert bad.value.code == 2
     assert says in capsys.readouterr().err
+
+
+# A trained checkpoint's cells: text prompts and logit drift (logit_flips).
+
+
+def _top2(outs, logit=20.0, gap=4.0):
+    """Top two raw logits per generated token: the chosen token, then
+    another ``gap`` below."""
+    return [[[[t, logit], [t + 1, logit - gap]] for t in o] for o in outs]
+
+
+def _trained(outs=OUT, top2=None):
+    rec = _rec(outs)
+    rec["top_logits"] = top2 or _top2(outs)
+    return rec
+
+
+def test_trained_cells_pass_a_flip_at_a_bf16_tie():
+    """bf16 logits of 20 are 0.125 apart; a hit that moved them by a step
+    flips a token whose top two were one step apart, as the first trained
+    run (token-id prompts) did in about a third of its requests."""
+    cell = pcm.Cell("smollm2", "auto", "none", pcm.DENSE_MODE)
+    changed = _changed(1, 3)
+    cold_top2 = _top2(OUT)
+    cold_top2[1][3] = [[OUT[1][3], 20.0], [changed[1][3], 19.875]]
+    run_top2 = _top2(changed, logit=20.125)
+    run_top2[1][3] = [[changed[1][3], 20.0], [OUT[1][3], 19.875]]
+    row = pcm.cell_row(
+        cell,
+        _records(cell, _trained(changed, run_top2), cold=_trained(OUT, cold_top2)),
+        PHASES,
+    )
+    flips = row["hit_flips"]
+    assert flips["drift_ulps_max"] == 1.0
+    assert flips["flips"] == [{"request": 1, "at": 3, "margin_ulps": 2.0}]
+    assert row["verdict"] == "rounding flips"
+    assert "1.0/1.0, flips 1 (2)" in pcm.format_table([row])
+
+
+@pytest.mark.parametrize(
+    ("second", "drift_logit", "why"),
+    [
+        (None, 20.125, "the new token was not the cold engine's second choice"),
+        (19.875, 23.0, "the logits drifted by 24 steps: no rounding"),
+    ],
+)
+def test_trained_cells_fail_a_flip_rounding_does_not_explain(second, drift_logit, why):
+    cell = pcm.Cell("smollm2", "auto", "none", pcm.DENSE_MODE)
+    changed = _changed(1, 3)
+    cold_top2 = _top2(OUT)
+    if second is not None:
+        cold_top2[1][3] = [[OUT[1][3], 20.0], [changed[1][3], second]]
+    run_top2 = _top2(changed, logit=drift_logit)
+    run_top2[1][3] = [[changed[1][3], 20.0], [OUT[1][3], 19.875]]
+    row = pcm.cell_row(
+        cell,
+        _records(cell, _trained(changed, run_top2), cold=_trained(OUT, cold_top2)),
+        PHASES,
+    )
+    assert row["verdict"].startswith("hit DIFF"), why
+
+
+def test_trained_phases_are_text_documents():
+    """Every prefix starts with the tokenizer's special prefix and is exactly
+    as long as asked; groups differ from their second token on (no group hits
+    another's blocks); messages are corpus passages of SUFFIX_TOKENS."""
+    from benchmarks.quality.kvq_inputs import Corpus
+    from tests.models.real_weights.prefix_prompts import SUFFIX_TOKENS, CorpusPrompts
+
+    ids = list(range(1000, 6000))
+    ends = [i % 50 == 49 for i in range(len(ids))]
+    text = CorpusPrompts(Corpus(text="", ids=ids, ends=ends), special=[2])
+    phases = pcm.build_phases((256, 512), hits=3, warm_suffix_len=128, text=text)
+    requests = pcm.flat(phases)
+    assert [r.label for r in requests][:2] == ["256.warm", "256.hit"]
+    for r in requests:
+        assert r.tokens[0] == 2 and all(t >= 1000 for t in r.tokens[1:])
+    hits = [r for r in requests if r.role == "hit"]
+    assert all(len(r.tokens) == r.prefix_len + SUFFIX_TOKENS for r in hits)
+    warm = next(r for r in requests if r.group == "256")
+    assert len(warm.tokens) == 256 + 128
+    starts = {r.tokens[1] for r in requests if r.role == "warm"}
+    assert len(starts) == 4
+    # Each passage starts a sentence (after a token that ends one).
+    assert all((r.tokens[1] - 1000) % 50 == 0 for r in requests)
+
+
+def test_trained_cells_place_a_three_way_tie():
+    """The second trained run kept two logits: 3 of Gemma 3's flips changed to
+    the cold engine's third token, three tokens at one bf16 value."""
+    cell = pcm.Cell("gemma3", "auto", "none", pcm.DENSE_MODE)
+    changed = _changed(1, 3)
+    a, b, x = OUT[1][3], changed[1][3], 5000
+    cold_top = _top2(OUT)
+    cold_top[1][3] = [[a, 20.0], [x, 20.0], [b, 20.0]]
+    run_top = _top2(changed)
+    run_top[1][3] = [[b, 20.0], [a, 20.0], [x, 20.0]]
+    row = pcm.cell_row(
+        cell,
+        _records(cell, _trained(changed, run_top), cold=_trained(OUT, cold_top)),
+        PHASES,
+    )
+    assert row["hit_flips"]["flips"][0]["margin_ulps"] == 0.0
+    assert row["verdict"] == "rounding flips"
