@@ -72,7 +72,8 @@ not a bigram chain, so its ``ctx`` column is empty. Its engines keep their
 top raw logits: an ``auto`` hit that differs from cold passes where every
 changed token is a rounding flip (``logit_flips``; ``hit drift ulps``), and a
 TurboQuant hit is judged against TurboQuant's own spread, as on the tiny
-models. Its engines take the matrix's ``max_model_len`` or the model's own
+models, with TurboQuant's own drift from ``auto`` beside it (``TQ drift
+ulps``). Its engines take the matrix's ``max_model_len`` or the model's own
 where shorter, which ``--prefix-lens`` must fit (SmolLM2: 8,192 positions,
 e.g. ``2048,7168``).
 
@@ -816,13 +817,17 @@ def cell_row(
                 )
         auto = records.get(cell.auto_cold().name, {})
         if cell.kv != "auto" and "outputs" in auto:
+            hits = _indices(requests, role="hit")
             row["tq_spread"] = round(
                 agreement(
-                    [auto["outputs"][i] for i in _indices(requests, role="hit")],
-                    [cold["outputs"][i] for i in _indices(requests, role="hit")],
+                    [auto["outputs"][i] for i in hits],
+                    [cold["outputs"][i] for i in hits],
                 ),
                 4,
             )
+            if "top_logits" in auto and "top_logits" in cold:
+                # How far TurboQuant itself moves the logits, beside the hit's.
+                row["tq_flips"] = logit_flips.flips(auto, cold, hits)
     row["verdict"] = verdict(cell, row)
     return row
 
@@ -894,6 +899,7 @@ def table_columns(groups: tuple[str, ...] = HIT_GROUPS) -> tuple[str, ...]:
         "ctx",
         "hit drift ulps",
         "TQ spread",
+        "TQ drift ulps",
         "verdict",
         "s",
     )
@@ -942,6 +948,7 @@ def table_lines(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 str(r.get("ctx", "-")),
                 logit_flips.describe(r.get("hit_flips")),
                 _pct(r.get("tq_spread")) if r.get("tq_spread") is not None else "-",
+                logit_flips.describe(r.get("tq_flips")),
                 r["verdict"],
                 str(r.get("wall") or "-"),
             )

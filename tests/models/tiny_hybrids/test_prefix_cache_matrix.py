@@ -777,3 +777,20 @@ def test_trained_cells_place_a_three_way_tie():
     )
     assert row["hit_flips"]["flips"][0]["margin_ulps"] == 0.0
     assert row["verdict"] == "rounding flips"
+
+
+def test_trained_turboquant_cells_show_turboquants_own_drift():
+    """Beside a TurboQuant hit's drift from its cold engine, how far that cold
+    engine's logits sit from auto's on the same requests."""
+    cell = pcm.Cell("smollm2", "turboquant_4bit_nc", "none", pcm.DENSE_MODE)
+    records = _records(
+        cell,
+        _trained(OUT, _top2(OUT, logit=20.125)),
+        cold=_trained(OUT, _top2(OUT, logit=20.25)),
+        auto_cold=_trained(OUT),
+    )
+    row = pcm.cell_row(cell, records, PHASES)
+    assert row["hit_flips"]["drift_ulps_max"] == 1.0
+    assert row["tq_flips"]["drift_ulps_max"] == 2.0
+    assert row["verdict"] == "exact"
+    assert "1.0/1.0" in pcm.format_table([row]) and "2.0/2.0" in pcm.format_table([row])
