@@ -101,13 +101,20 @@ QJL_KEY_BITS = 21
 # kernel's lookup of 16 entries a pair would.
 PAIR_KEY_BITS = 32
 MIRRORED_PAIR_KEY_BITS = 33
-# k3p2_nc, k3p2m_nc: 3bit_nc's key bits spent on those pair codes.
+# The key-bits codes of 3-bit scalar codes whose outermost level sits further
+# out than Lloyd-Max's 2.15 standard deviations (2.5 and 2.9, the pair code's
+# reach), the other levels kept: does the pair code gain by its reach?
+WIDE_KEY_BITS = {34: 2.5, 35: 2.9}
+# k3p2_nc, k3p2m_nc: 3bit_nc's key bits spent on those pair codes; k3w25_nc,
+# k3w29_nc: on those scalar codes.
 CONFIGS = {
     **PRESETS,
     "k4v2_nc": (4, 2, True),
     "k2j1_nc": (QJL_KEY_BITS, 3, True),
     "k3p2_nc": (PAIR_KEY_BITS, 3, True),
     "k3p2m_nc": (MIRRORED_PAIR_KEY_BITS, 3, True),
+    "k3w25_nc": (34, 3, True),
+    "k3w29_nc": (35, 3, True),
 }
 FP8_E4M3_MAX = 448.0
 
@@ -121,6 +128,16 @@ def _centroids(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
     c = fp16_centroids(head_dim, bits).double().sort().values
+    return c, (c[:-1] + c[1:]) / 2
+
+
+def _wide_centroids(head_dim: int, reach: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """3-bit centroids with the outermost pair at ``reach`` standard
+    deviations of a unit key's coordinate (1 / sqrt(head_dim)), and their
+    midpoints."""
+    c, _ = _centroids(head_dim, 3)
+    c = c.clone()
+    c[0], c[-1] = -reach / math.sqrt(head_dim), reach / math.sqrt(head_dim)
     return c, (c[:-1] + c[1:]) / 2
 
 
@@ -184,7 +201,8 @@ def quant_keys_pairs(y: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
     """[..., D] keys -> dequantized keys (float64), as store + decode do
     (``QJL_KEY_BITS``: ``quant_keys_prod``; the pair codes'
-    ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``)."""
+    ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``;
+    ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
@@ -202,7 +220,10 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
                 unit @ _hadamard(d).double(), bits == MIRRORED_PAIR_KEY_BITS
             )
         else:
-            c, mids = _centroids(d, bits)
+            if bits in WIDE_KEY_BITS:
+                c, mids = _wide_centroids(d, WIDE_KEY_BITS[bits])
+            else:
+                c, mids = _centroids(d, bits)
             idx, _, norm = _reference(x, mids)
             y = c[idx]
         if nc:

@@ -400,3 +400,28 @@ def test_k3p2_keys_spend_3bit_nc_bits_on_coordinate_pairs():
     assert len(torch.unique(rotated.reshape(-1, 2), dim=0)) <= 64
     assert emu.CONFIGS["k3p2_nc"] == (emu.PAIR_KEY_BITS, 3, True)
     assert emu.CONFIGS["k3p2m_nc"] == (emu.MIRRORED_PAIR_KEY_BITS, 3, True)
+
+
+@pytest.mark.parametrize(("config", "reach"), [("k3w25_nc", 2.5), ("k3w29_nc", 2.9)])
+def test_wide_3bit_keys_move_only_the_outermost_level(config, reach):
+    """``k3w25_nc`` / ``k3w29_nc``: 3bit_nc's scalar code with its outermost
+    levels at 2.5 / 2.9 standard deviations instead of 2.15, the rest kept.
+    Their mean squared error is a little above the scalar code's, which is
+    Lloyd-Max's least."""
+    torch.manual_seed(0)
+    d = 64
+    bits, values, nc = emu.CONFIGS[config]
+    assert emu.WIDE_KEY_BITS[bits] == reach and (values, nc) == (3, True)
+    c, mids = emu._wide_centroids(d, reach)
+    base, _ = emu._centroids(d, 3)
+    assert torch.allclose(c[1:-1], base[1:-1])
+    assert c[-1] * d**0.5 == pytest.approx(reach) and torch.equal(c, -c.flip(0))
+    assert torch.allclose(mids, (c[:-1] + c[1:]) / 2)
+    k = torch.randn(4000, d, dtype=torch.float64)
+    wide = emu.quant_keys_mse(k, bits, True)
+    scalar = emu.quant_keys_mse(k, 3, True)
+
+    def err(q):
+        return ((q - k) ** 2).sum(-1).mean() / (k**2).sum(-1).mean()
+
+    assert err(scalar) < err(wide) < 1.6 * err(scalar), (err(wide), err(scalar))
