@@ -6,7 +6,7 @@ greedy token it changed was a rounding flip.
 A bf16 model served from a prefix-cache hit computes the message after the
 prefix in a step of another shape than the cold prefill does, so its GEMMs
 round differently; a greedy token whose top two logits lie within that
-rounding can flip, in vLLM 0.20.2 without this series too. The tiny
+rounding can flip. The tiny
 checkpoints' bigram chains keep their top-2 gaps far above rounding, so there
 a hit must be token-exact; a trained model's are often one bf16 step.
 
@@ -33,10 +33,9 @@ BF16_MANTISSA_BITS = 7
 # could not place 3 of Gemma 3's 39 flips: three tokens tied at one bf16
 # value, the new token the cold engine's third.
 TOP_LOGITS = 5
-# The largest drift, in bf16 ulps of the logit, that rounding between two
-# step shapes explains; set before the first run on text prompts. A hit that
-# read wrong K/V moves logits by whole units: hundreds of ulps at the logit
-# magnitudes of these models (4-30).
+# The largest drift, in bf16 ulps of the logit, counted as rounding between
+# two step shapes; set before any trained run kept logits (the text runs then
+# read 5-12 in auto).
 ROUNDING_ULPS = 16
 
 
