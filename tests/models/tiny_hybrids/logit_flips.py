@@ -28,6 +28,8 @@ import math
 import statistics
 from typing import Any
 
+from .spec_decode_matrix import first_token_difference
+
 BF16_MANTISSA_BITS = 7
 # Logits kept per generated token. With two, the first run on text prompts
 # could not place 3 of Gemma 3's 39 flips: three tokens tied at one bf16
@@ -47,10 +49,6 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (exp - 1 - BF16_MANTISSA_BITS)
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((t for t, (u, v) in enumerate(zip(a, b)) if u != v), None)
-
-
 def _margin(cold: list, other: list, a: int, b: int) -> float | None:
     """Ulps the flip from ``a`` (cold) to ``b`` needed at one position, or
     None where either engine's top logits lack one of the two."""
@@ -68,7 +66,7 @@ def flips(cold: dict[str, Any], run: dict[str, Any], idx: list[int]) -> dict:
     for i in idx:
         a, b = cold["outputs"][i], run["outputs"][i]
         ta, tb = cold["top_logits"][i], run["top_logits"][i]
-        t = _first_diff(a, b)
+        t = first_token_difference(a, b)
         for k in range(min(len(a) if t is None else t, len(ta), len(tb))):
             (ida, la), (idb, lb) = ta[k][0], tb[k][0]
             if ida == idb:

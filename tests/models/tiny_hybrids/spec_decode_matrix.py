@@ -648,6 +648,12 @@ def same_or_tie(status: str) -> bool:
     return status == "exact" or status.endswith(" tie")
 
 
+def first_token_difference(x: list[int], y: list[int]) -> int | None:
+    """The first position where two outputs hold different tokens, within the
+    shorter one; None where one is a prefix of the other."""
+    return next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), None)
+
+
 def compare(
     ref: dict[str, Any], run: dict[str, Any], prompts: list[list[int]] | None = None
 ) -> dict[str, Any]:
@@ -666,7 +672,7 @@ def compare(
     a, b = ref["outputs"], run["outputs"]
     first = []
     for i, (x, y) in enumerate(zip(a, b)):
-        pos = next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        pos = first_token_difference(x, y)
         if pos is None and len(x) != len(y):
             pos = min(len(x), len(y))
         if pos is not None:
