@@ -212,6 +212,18 @@ def test_a_decode_step_takes_the_key_offset_an_engines_layer_takes(
     assert called == ([rotation] if rotation else [])
 
 
+def test_every_launch_skipped_includes_launches_by_mapping(bench):
+    """The Gluon stage 1 launches through ``launch_with``: a forward with
+    every launch skipped must skip those too, or its Python would carry one
+    launch."""
+    from vllm.triton_utils.compiled_launch import CompiledLaunch
+
+    unlaunchable = CompiledLaunch(object())  # launching it raises TypeError
+    with bench.launches_skipped():
+        assert unlaunchable.launch_with((1,), (), {}) is None
+        assert unlaunchable.launch((1,)) is None
+
+
 def test_every_function_the_breakdown_replaces_is_where_its_caller_reads_it(bench):
     """Each of DECODE_CALLEES is a module global its callers read at the
     call: a renamed or moved function fails here, not as a silent `-` row."""
@@ -289,3 +301,37 @@ def test_the_table_shows_what_each_function_costs_the_forward(bench):
     assert "| the forward | 101.5 |" in md
     assert "| `turboquant_decode.decode_attention` | 61.2 |" in md
     assert "| `gluon_turboquant_decode.stage1` | - |" in md
+
+
+def test_the_options_ab_copies_what_the_stage1_launch_passes(bench, monkeypatch):
+    """The A side of ``launch_options_saving`` launches the kernel, grid,
+    arguments and keywords the Gluon stage 1 launches, only copied into
+    keyword arguments: the A/B times the copy, not another launch."""
+    gluon = pytest.importorskip("vllm.v1.attention.ops.gluon_turboquant_decode")
+    calls = []
+
+    class Recorder:
+        def launch(self, grid, *args, variant=None, **kwargs):
+            calls.append((grid, args, kwargs))
+
+        def launch_with(self, grid, args, options, variant=None):
+            calls.append((grid, args, dict(options)))
+
+    monkeypatch.setattr(
+        "vllm.triton_utils.compiled_launch.launcher", lambda kernel: Recorder()
+    )
+    monkeypatch.setattr(gluon, "launcher", lambda kernel: Recorder())
+    constexprs = gluon._constexprs(
+        head_dim=128, group=4, page=16, key_fp8=False, mse_bits=4,
+        key_packed_size=66, norm_correction=True, word32=False, split=True,
+        min_split_tokens=256, value_bits=4, tails=False, stride_cp=67, pdl=True,
+    )  # fmt: skip
+    gluon._launch(gluon._stage1, (8, 3, 2), ("q",), constexprs)
+    bench._launch_copying_options(gluon._stage1, (8, 3, 2), ("q",), constexprs)
+    assert calls[0] == calls[1]
+
+
+def test_the_table_shows_the_options_ab(bench):
+    ab = dict(a=120.0, a_min=110.0, b=112.0, b_min=104.0, b_minus_a=-7.5)
+    md = bench.markdown("H200", [], options={"turboquant_4bit_nc": {"forward": ab}})
+    assert "| turboquant_4bit_nc | forward | 120 (110) | 112 (104) | 7.5 |" in md

@@ -154,6 +154,30 @@ def test_hadamard_lookup_builds_nothing_while_a_graph_is_captured(monkeypatch):
     assert not built
 
 
+def test_a_matrix_found_before_is_known_by_its_address(monkeypatch):
+    """Once found, the backend's matrix is recognised without naming its
+    device or asking whether a CUDA graph is captured: those took most of
+    the 4.6-5.6 µs ``is_backend_hadamard`` cost each decode on an H200
+    host. Another matrix of that size is still looked up and refused."""
+    h = _build_hadamard(32, "cpu")
+    monkeypatch.setattr(hadamard, "_hadamard_ptrs", {})
+    as_cuda = lambda t: SimpleNamespace(  # noqa: E731
+        dim=t.dim, shape=t.shape, device=t.device, is_cuda=True, data_ptr=t.data_ptr
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert hadamard.is_backend_hadamard(as_cuda(h))  # looked up once
+
+    def no_query():
+        raise AssertionError("asked whether a graph is captured")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", no_query)
+    assert hadamard.is_backend_hadamard(as_cuda(h))
+    with pytest.raises(AssertionError, match="captured"):
+        hadamard.is_backend_hadamard(as_cuda(h.clone()))
+    # The same address read as another head size is not that matrix.
+    assert not hadamard.is_backend_hadamard(h[:16, :16])
+
+
 @pytest.mark.parametrize("own_matrix", [True, False])
 def test_hook_rotates_in_registers_only_for_the_backend_matrix(
     triton_interpret, monkeypatch, own_matrix

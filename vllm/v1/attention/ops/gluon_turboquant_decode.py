@@ -231,14 +231,14 @@ def launch_config(
     )
 
 
-# Key tables per centroid tensor (data_ptr, device): the tensor (weakly), the
-# table, and whether it has tails (key_tails). A lookup also checks the
-# tensor is the one the table was built from: a freed tensor's address can
-# hold other centroids later (another engine in the same process). Not its
-# version counter: the backend's centroids are constants, and inference
-# tensors have none.
+# Key tables by centroid tensor address: the tensor (weakly), the table, and
+# whether it has tails (key_tails). A lookup also checks the tensor is the
+# one the table was built from: a freed tensor's address can hold other
+# centroids later (another engine in the same process, or another device's
+# tensor). Not its version counter: the backend's centroids are constants,
+# and inference tensors have none.
 _Entry = tuple[weakref.ref, torch.Tensor | None, bool]
-_tables: dict[tuple[int, str], _Entry] = {}
+_tables: dict[int, _Entry] = {}
 
 # How far (log2) a row's running max may lag its scores: p <= 2**8 (as in
 # FlashAttention 4's conditional rescale), fine in fp32, and p * scale
@@ -291,7 +291,7 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
     the Triton stage 1), and while a CUDA graph is captured if not built
     before: building allocates and copies, which a capture must not record.
     """
-    key = (centroids.data_ptr(), str(centroids.device))
+    key = centroids.data_ptr()
     hit = _tables.get(key)
     if hit is None or hit[0]() is not centroids:
         if centroids.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -343,7 +343,7 @@ def key_tails(centroids: torch.Tensor) -> bool:
     every centroid is an fp16 value the heads are exact, and the stage 1
     skips the tails' lookup and dot: 123 of 1,121 instructions a tile for
     turboquant_4bit_nc (head_dim 128)."""
-    hit = _tables.get((centroids.data_ptr(), str(centroids.device)))
+    hit = _tables.get(centroids.data_ptr())
     return True if hit is None or hit[0]() is not centroids else hit[2]
 
 
@@ -1410,16 +1410,24 @@ def stage1(
     _launch(_stage1, (Hk, B, num_splits), args, constexprs)
 
 
+# id(constexprs) -> (constexprs, its launch options, their launch key).
+_options: dict[int, tuple[Mapping[str, object], Mapping[str, object], ByIdentity]] = {}
+
+
 def _launch(
     kernel, grid: tuple[int, ...], args: tuple, constexprs: Mapping[str, object]
 ):
-    # The mappings come from _constexprs, kept for the process's life.
-    launcher(kernel).launch(
-        grid,
-        *args,
-        variant=ByIdentity(constexprs),
-        **constexprs,
-        num_warps=constexprs["W"],
-        maxnreg=MAX_REGISTERS,
-        launch_pdl=constexprs["PDL"],
-    )
+    # The mappings come from _constexprs, kept for the process's life, so
+    # their launch options are built once and passed as one mapping.
+    hit = _options.get(id(constexprs))
+    if hit is None or hit[0] is not constexprs:
+        options = MappingProxyType(
+            dict(
+                constexprs,
+                num_warps=constexprs["W"],
+                maxnreg=MAX_REGISTERS,
+                launch_pdl=constexprs["PDL"],
+            )
+        )
+        hit = _options[id(constexprs)] = (constexprs, options, ByIdentity(options))
+    launcher(kernel).launch_with(grid, args, hit[1], hit[2])

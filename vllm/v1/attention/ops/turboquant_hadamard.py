@@ -65,6 +65,14 @@ def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
     if not rotates_in_registers(PiT.shape[0]):
         return False
     D = PiT.shape[0]
+    # A matrix found before: its address alone names it (the backend's
+    # matrices are kept for the process's life, and addresses are unique
+    # across devices). Naming the device each call cost ~2 µs of a decode's
+    # host time.
+    ptr = PiT.data_ptr()
+    for (d, _), known in _hadamard_ptrs.items():
+        if known == ptr and d == D:
+            return True
     capturing = PiT.is_cuda and torch.cuda.is_current_stream_capturing()
     for name in {str(PiT.device), PiT.device.type}:
         key = (D, name)
@@ -74,6 +82,6 @@ def is_backend_hadamard(PiT: torch.Tensor | None) -> bool:
             from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
             _hadamard_ptrs[key] = _build_hadamard(D, name).data_ptr()
-        if PiT.data_ptr() == _hadamard_ptrs[key]:
+        if ptr == _hadamard_ptrs[key]:
             return True
     return False
