@@ -549,22 +549,26 @@ def launch_keys_saving(preset: str, device) -> dict:
         CompiledLaunch._args_key = keyed
 
 
-def _launch_copying_options(kernel, grid, args, constexprs):
+def launch_copying_options():
     """The Gluon stage 1's launch with its constexprs and launch options
     copied into keyword arguments at every launch, as release 64 launched
-    it: the A side of ``launch_options_saving``."""
+    it: the A side of ``launch_options_saving``. Its imports are made here,
+    once, so that the A side pays for the copy and nothing else."""
     from vllm.triton_utils.compiled_launch import ByIdentity, launcher
-    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
+    from vllm.v1.attention.ops.gluon_turboquant_decode import MAX_REGISTERS
 
-    launcher(kernel).launch(
-        grid,
-        *args,
-        variant=ByIdentity(constexprs),
-        **constexprs,
-        num_warps=constexprs["W"],
-        maxnreg=gluon.MAX_REGISTERS,
-        launch_pdl=constexprs["PDL"],
-    )
+    def launch(kernel, grid, args, constexprs):
+        launcher(kernel).launch(
+            grid,
+            *args,
+            variant=ByIdentity(constexprs),
+            **constexprs,
+            num_warps=constexprs["W"],
+            maxnreg=MAX_REGISTERS,
+            launch_pdl=constexprs["PDL"],
+        )
+
+    return launch
 
 
 def launch_options_saving(preset: str, device) -> dict:
@@ -575,9 +579,10 @@ def launch_options_saving(preset: str, device) -> dict:
     from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
 
     forward, _ = decode_step_calls(preset, device)
+    copied = launch_copying_options()
 
     def copying():
-        with replaced(gluon, "_launch", _launch_copying_options):
+        with replaced(gluon, "_launch", copied):
             forward()
 
     return {"forward": paired_host_us(copying, forward)}

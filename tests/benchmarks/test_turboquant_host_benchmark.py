@@ -327,7 +327,7 @@ def test_the_options_ab_copies_what_the_stage1_launch_passes(bench, monkeypatch)
         min_split_tokens=256, value_bits=4, tails=False, stride_cp=67, pdl=True,
     )  # fmt: skip
     gluon._launch(gluon._stage1, (8, 3, 2), ("q",), constexprs)
-    bench._launch_copying_options(gluon._stage1, (8, 3, 2), ("q",), constexprs)
+    bench.launch_copying_options()(gluon._stage1, (8, 3, 2), ("q",), constexprs)
     assert calls[0] == calls[1]
 
 
