@@ -575,17 +575,24 @@ def launch_options_saving(preset: str, device) -> dict:
     """Host µs of an eager decode step's forward (512 rows) with the Gluon
     stage 1's options copied into keyword arguments at every launch against
     one mapping built once per configuration (``launch_with``): paired
-    rounds in one process (``paired_host_us``)."""
+    rounds in one process (``paired_host_us``). Both sides replace the
+    launch function inside every call, so each pays the same for that."""
     from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
 
     forward, _ = decode_step_calls(preset, device)
-    copied = launch_copying_options()
 
-    def copying():
-        with replaced(gluon, "_launch", copied):
-            forward()
+    def launching(launch):
+        def call():
+            with replaced(gluon, "_launch", launch):
+                forward()
 
-    return {"forward": paired_host_us(copying, forward)}
+        return call
+
+    return {
+        "forward": paired_host_us(
+            launching(launch_copying_options()), launching(gluon._launch)
+        )
+    }
 
 
 def forward_breakdown(preset: str, device, profile_out=None) -> dict:
