@@ -766,6 +766,19 @@ def _parts_table(title: str, by_preset: dict) -> list[str]:
     return out
 
 
+def _ab_table(title: str, sides: tuple[str, str], by_preset: dict) -> list[str]:
+    """A paired A/B table (``paired_host_us``): a row per preset and call."""
+    out = ["", title, "", f"| KV | call | {sides[0]} | {sides[1]} | saving |"]
+    out.append("|---|---|---|---|---|")
+    for preset, calls in by_preset.items():
+        for call, ab in calls.items():
+            out.append(
+                f"| {preset} | {call} | {ab['a']:,.0f} ({ab['a_min']:,.0f}) "
+                f"| {ab['b']:,.0f} ({ab['b_min']:,.0f}) | {-ab['b_minus_a']:,.1f} |"
+            )
+    return out
+
+
 def markdown(
     device_name: str,
     rows: list[dict],
@@ -827,39 +840,23 @@ def markdown(
             store,
         )
     if keys:
-        out += [
-            "",
+        out += _ab_table(
             "Decode step (512 rows), one process, rounds interleaved: binding every "
             "launch's arguments against launches found by their key (patch 0026), "
             "median (minimum) µs of host time; the saving is the median of paired "
             "rounds:",
-            "",
-            "| KV | call | binding every launch | by key | saving |",
-            "|---|---|---|---|---|",
-        ]
-        for preset, calls in keys.items():
-            for call, ab in calls.items():
-                out.append(
-                    f"| {preset} | {call} | {ab['a']:,.0f} ({ab['a_min']:,.0f}) "
-                    f"| {ab['b']:,.0f} ({ab['b_min']:,.0f}) | {-ab['b_minus_a']:,.1f} |"
-                )
+            ("binding every launch", "by key"),
+            keys,
+        )
     if options:
-        out += [
-            "",
+        out += _ab_table(
             "Decode step (512 rows), one process, rounds interleaved: the Gluon "
             "stage 1's constexprs copied into keyword arguments at every launch "
             "against one mapping built once (`launch_with`), median (minimum) µs "
             "of host time; the saving is the median of paired rounds:",
-            "",
-            "| KV | call | copied per launch | one mapping | saving |",
-            "|---|---|---|---|---|",
-        ]
-        for preset, calls in options.items():
-            for call, ab in calls.items():
-                out.append(
-                    f"| {preset} | {call} | {ab['a']:,.0f} ({ab['a_min']:,.0f}) "
-                    f"| {ab['b']:,.0f} ({ab['b_min']:,.0f}) | {-ab['b_minus_a']:,.1f} |"
-                )
+            ("copied per launch", "one mapping"),
+            options,
+        )
     if forward:
         out += _parts_table(
             "Host µs of the forward of a decode step (512 rows), by part: the "
