@@ -287,3 +287,88 @@ def test_each_kernel_object_has_one_launcher(monkeypatch):
     assert compiled_launch.launcher(kernel) is first
     assert first.kernel is kernel
     assert compiled_launch.launcher(replacement).kernel is replacement
+
+
+def test_recorded_launches_are_sent_again_with_other_tensors(rig):
+    """A plan sends what a direct launch sends, with the bound tensor of
+    the call in its place and a fixed one by its address."""
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)  # compiled, and recorded like a direct launch
+    with compiled_launch.recorded_launches() as records:
+        rig(x, y)
+    assert [r.args for r in records] == [(x, y, 100, 64)]
+    plan = compiled_launch.LaunchPlan.build(records, bound=(x,), fixed=(y,))
+    rig.launches.clear()
+    x2 = torch.zeros(256)
+    assert plan.launch(x2) == (x2,)
+    (sent,) = rig.launches
+    assert sent[:9] == (3, 1, 1, 1234, "fn", "meta", None, None, None)
+    assert sent[9:] == (x2, y.data_ptr(), 100, 64, 128)
+    assert rig.binds == 1  # the plan bound nothing
+
+
+def test_a_plan_allocates_what_its_launches_write_for_each_other(rig):
+    x = torch.zeros(256)
+    rig(x, x)
+    with compiled_launch.recorded_launches() as records:
+        scratch = torch.empty(256)
+        rig(x, scratch)
+        rig(scratch, x)
+    plan = compiled_launch.LaunchPlan.build(records, bound=(x,), fresh=(scratch,))
+    rig.launches.clear()
+    x2 = torch.zeros(256)
+    _, new = plan.launch(x2)
+    assert new.shape == scratch.shape and new.dtype == scratch.dtype
+    assert new.data_ptr() not in (scratch.data_ptr(), x2.data_ptr())
+    assert [sent[9:11] for sent in rig.launches] == [(x2, new), (new, x2)]
+
+
+def test_a_tensor_a_plan_cannot_account_for_makes_no_plan(rig):
+    """What a call computes outside its launches (here ``y``) is none of a
+    plan's kinds: sending the launches again would read it stale."""
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)
+    with compiled_launch.recorded_launches() as records:
+        rig(x, y)
+    build = compiled_launch.LaunchPlan.build
+    assert build(records, bound=(x,)) is None
+    assert build(records, bound=(x,), kept=(y,)) is not None
+    # One tensor of two kinds, or two sources at one address: no plan.
+    assert build(records, bound=(x, y), fixed=(y,)) is None
+    assert build(records, bound=(x, y), fresh=(y,)) is None
+    # A view into the middle of a bound tensor is not that tensor.
+    with compiled_launch.recorded_launches() as records:
+        rig(x[64:], y)
+    assert build(records, bound=(x,), fixed=(y,)) is None
+    assert build([], bound=(x,)) is None
+
+
+def test_a_launch_through_the_jit_makes_no_plan(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig.launcher.enabled = False
+    with compiled_launch.recorded_launches() as records:
+        rig(x, y)
+    assert records == [None]
+    assert compiled_launch.LaunchPlan.build(records, bound=(x, y)) is None
+
+
+def test_a_plan_launches_nothing_while_a_hook_is_installed(rig, monkeypatch):
+    from triton import knobs
+
+    x, y = torch.zeros(256), torch.zeros(256)
+    rig(x, y)
+    with compiled_launch.recorded_launches() as records:
+        rig(x, y)
+    plan = compiled_launch.LaunchPlan.build(records, bound=(x, y))
+    rig.launches.clear()
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])
+    assert plan.launch(x, y) is None
+    assert rig.launches == []
+
+
+def test_launches_outside_a_recording_are_not_recorded(rig):
+    x, y = torch.zeros(256), torch.zeros(256)
+    with compiled_launch.recorded_launches() as records:
+        rig(x, y)
+    rig(x, y)
+    assert len(records) == 1

@@ -29,9 +29,14 @@ against the same metadata without the builder's decode and prefill halves
 rounds interleaved (``paired_host_us``), because host time read in separate
 processes differs by up to half on one machine.
 
-For a decode step it times the forward and the cache update with every
-launch binding its arguments again against launches found by their
-arguments' key (patch 0026, ``launch_keys_saving``), paired the same way.
+A decode call seen before sends the launches its batch shape planned
+(patch 0017's ``turboquant_decode``): the main table times that. For a
+decode step it times the forward making its checks and choices at every
+call against sending its plan (``plan_saving``), paired the same way; and,
+without plans (as a batch shape's first call runs), every launch binding
+its arguments again against launches found by their arguments' key (patch
+0026, ``launch_keys_saving``) and the Gluon stage 1's options copied per
+launch against one mapping (``launch_options_saving``).
 
 It also takes three calls apart: one stage 1 launch; the cache update of a
 decode step (the backend's Python, the store kernel's launch by part); and
@@ -40,8 +45,8 @@ skipped, and its launches). ``--cprofile`` prints where the TurboQuant
 forward's host time goes, in µs per forward: by function (cProfile), and by
 torch op; for a decode step also with its launches skipped.
 
-A decode step's forward with every launch skipped is also taken apart by
-function (``forward_by_function``): for each function on the decode path
+A decode step's forward with every launch skipped and no plans is also
+taken apart by function (``forward_by_function``): for each function on the decode path
 (``DECODE_CALLEES``), what the forward saves when that function returns
 what it returned before at once, everything it calls included; paired
 rounds in one process, host time only (with every launch skipped the host
@@ -502,18 +507,66 @@ def store_breakdown(preset: str, device) -> dict:
 def launches_skipped():
     """Every kernel the backend launches through ``CompiledLaunch`` (patch
     0026: the store, the rotations, both stage 1s, the merge) returns at
-    once, launching nothing: what is left of a call is its Python and torch
-    ops."""
+    once, launching nothing, and so does every launch of a decode plan
+    made before: what is left of a call is its Python and torch ops."""
+    from triton.compiler import CompiledKernel
+
     from vllm.triton_utils.compiled_launch import CompiledLaunch
 
     # ``launch`` passes its keywords on to ``launch_with``, through which the
-    # Gluon stage 1 launches directly.
+    # Gluon stage 1 launches directly. A plan calls each compiled kernel's
+    # ``run``.
     old = CompiledLaunch.launch_with
+    old_run = CompiledKernel.__dict__["run"]
     CompiledLaunch.launch_with = lambda self, grid, *args, **kwargs: None
+    CompiledKernel.run = property(lambda self: _launch_nothing)
     try:
         yield
     finally:
         CompiledLaunch.launch_with = old
+        CompiledKernel.run = old_run
+
+
+def _launch_nothing(*args):
+    return None
+
+
+@contextlib.contextmanager
+def plans_off():
+    """No decode plan is sent or kept (patch 0017's ``turboquant_decode``):
+    every decode call makes its checks and choices, as a batch shape's
+    first call does."""
+    from vllm.v1.attention.ops import turboquant_decode
+
+    with (
+        replaced(turboquant_decode, "_plans", {}),
+        replaced(turboquant_decode, "MAX_PLANS", 0),
+    ):
+        yield
+
+
+def plan_saving(preset: str, device) -> dict:
+    """Host µs of an eager decode step's forward (512 rows) making its
+    checks and choices at every call against sending its plan: paired
+    rounds in one process (``paired_host_us``). Both sides replace the plan
+    map inside every call, so each pays the same for that."""
+    from vllm.v1.attention.ops import turboquant_decode
+
+    forward, _ = decode_step_calls(preset, device)
+    kept: dict = {}
+
+    def planning(plans, most):
+        def call():
+            with (
+                replaced(turboquant_decode, "_plans", plans),
+                replaced(turboquant_decode, "MAX_PLANS", most),
+            ):
+                forward()
+
+        return call
+
+    most = turboquant_decode.MAX_PLANS
+    return {"forward": paired_host_us(planning({}, 0), planning(kept, most))}
 
 
 def _refuse_launch_keys(args):
@@ -788,6 +841,7 @@ def markdown(
     keys: dict | None = None,
     by_function: dict | None = None,
     options: dict | None = None,
+    plans: dict | None = None,
 ) -> str:
     out = [
         f"# Host time per attention layer, eager steps ({device_name})",
@@ -839,9 +893,19 @@ def markdown(
             "Python); the store kernel's launch by part:",
             store,
         )
+    if plans:
+        out += _ab_table(
+            "Decode step (512 rows), one process, rounds interleaved: every decode "
+            "call making its checks and choices against sending the launches its "
+            "batch shape planned (patch 0017), median (minimum) µs of host time; "
+            "the saving is the median of paired rounds:",
+            ("no plans", "plans"),
+            plans,
+        )
     if keys:
         out += _ab_table(
-            "Decode step (512 rows), one process, rounds interleaved: binding every "
+            "Decode step (512 rows), no plans, one process, rounds interleaved: "
+            "binding every "
             "launch's arguments against launches found by their key (patch 0026), "
             "median (minimum) µs of host time; the saving is the median of paired "
             "rounds:",
@@ -850,7 +914,8 @@ def markdown(
         )
     if options:
         out += _ab_table(
-            "Decode step (512 rows), one process, rounds interleaved: the Gluon "
+            "Decode step (512 rows), no plans, one process, rounds interleaved: the "
+            "Gluon "
             "stage 1's constexprs copied into keyword arguments at every launch "
             "against one mapping built once (`launch_with`), median (minimum) µs "
             "of host time; the saving is the median of paired rounds:",
@@ -868,7 +933,8 @@ def markdown(
         presets = list(by_function)
         out += [
             "",
-            "Decode step (512 rows), every launch skipped, one process, rounds "
+            "Decode step (512 rows), every launch skipped, no plans, one process, "
+            "rounds "
             "interleaved: host µs of the forward, and what it saves when one "
             "function returns its earlier result at once (with all it calls; "
             "`-`: not called for this preset):",
@@ -930,9 +996,11 @@ def main(argv=None) -> int:
     launch = {p: launch_breakdown(p, device) for p in args.presets}
     store = {p: store_breakdown(p, device) for p in args.presets}
     forward = {p: forward_breakdown(p, device, prof) for p in args.presets}
-    keys = {p: launch_keys_saving(p, device) for p in args.presets}
-    options = {p: launch_options_saving(p, device) for p in args.presets}
-    by_function = {p: forward_by_function(p, device) for p in args.presets}
+    plans = {p: plan_saving(p, device) for p in args.presets}
+    with plans_off():
+        keys = {p: launch_keys_saving(p, device) for p in args.presets}
+        options = {p: launch_options_saving(p, device) for p in args.presets}
+        by_function = {p: forward_by_function(p, device) for p in args.presets}
     rows = []
     for step in args.steps:
         rows.append(dict(kv="auto", step=step, **measure_auto(step, device)))
@@ -945,7 +1013,7 @@ def main(argv=None) -> int:
                 )
             )
     name = torch.cuda.get_device_name()
-    md = markdown(name, rows, launch, store, forward, keys, by_function, options)
+    md = markdown(name, rows, launch, store, forward, keys, by_function, options, plans)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     payload = json.dumps(
         dict(
@@ -958,6 +1026,7 @@ def main(argv=None) -> int:
             launch_keys=keys,
             forward_by_function=by_function,
             launch_options=options,
+            plans=plans,
         ),
         indent=1,
     )

@@ -40,11 +40,21 @@ The JIT's own path is taken where a launch hook is installed (profilers see
 every launch), for a callable grid, and with ``VLLM_TRITON_COMPILED_LAUNCH=0``
 (``vllm/envs.py``; A/B runs). Without Triton there is nothing to launch and
 every call goes to the kernel object, as vLLM's placeholders expect.
+
+``recorded_launches()`` lists the direct launches made inside it, and
+``LaunchPlan.build`` turns such a list into launches sent again with other
+tensors bound to some arguments: no argument is bound, keyed or judged
+again, each compiled kernel's ``run`` is called as a direct launch calls
+it. A caller that makes the same launches for a given key of its inputs
+(``turboquant_decode``) keeps one plan per key.
 """
 
-from collections.abc import Hashable, Mapping
-from typing import Any
+import contextlib
+import contextvars
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 import vllm.envs as envs
@@ -74,6 +84,43 @@ class ByIdentity:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ByIdentity) and other.obj is self.obj
+
+
+class RecordedLaunch(NamedTuple):
+    """One direct launch as ``recorded_launches`` saw it."""
+
+    compiled: Any
+    grid: tuple[int, int, int]
+    args: tuple
+    rest: tuple
+
+
+# The list recorded_launches() appends to; a launch through the JIT appends
+# None (a plan cannot send it again directly).
+_record: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "compiled_launch_record", default=None
+)
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[RecordedLaunch | None]]:
+    """The launches made inside, in order: a ``RecordedLaunch`` for each
+    compiled kernel launched by ``CompiledLaunch``, None for each launch
+    that went through the JIT's own path (hooks, a callable grid, switched
+    off, an asynchronous compile)."""
+    records: list[RecordedLaunch | None] = []
+    token = _record.set(records)
+    try:
+        yield records
+    finally:
+        _record.reset(token)
+
+
+def hooks_installed() -> bool:
+    """Whether a launch hook would have to see each launch (profilers)."""
+    return bool(
+        knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+    )
 
 
 class CompiledLaunch:
@@ -132,7 +179,10 @@ class CompiledLaunch:
         """``launch(grid, *args, variant=variant, **options)``, reading
         ``options`` only for a launch not seen before."""
         kernel = self.kernel
+        records = _record.get()
         if self._jit_only(grid, len(args)):
+            if records is not None:
+                records.append(None)
             return kernel[grid](*args, **options)
         device = driver.active.get_current_device()
         # The JIT adds these before binding; the binder sees the same.
@@ -158,6 +208,8 @@ class CompiledLaunch:
                 compiled = kernel[grid](*args, **kwargs)
                 # Only a finished compile (not a future of an asynchronous one).
                 if not isinstance(compiled, CompiledKernel):
+                    if records is not None:
+                        records.append(None)
                     return compiled
                 self._compiled[judged] = compiled
             hit = (compiled, tuple(bound.values())[len(args) :])
@@ -166,9 +218,14 @@ class CompiledLaunch:
                     self._by_args.clear()
                 self._by_args[key] = hit
             if launched:
+                if records is not None:
+                    grid = (*grid, 1, 1)
+                    records.append(RecordedLaunch(compiled, grid[:3], args, hit[1]))
                 return compiled
         compiled, rest = hit
         grid = (*grid, 1, 1)
+        if records is not None:
+            records.append(RecordedLaunch(compiled, grid[:3], args, rest))
         compiled.run(
             grid[0],
             grid[1],
@@ -196,3 +253,109 @@ def launcher(kernel) -> CompiledLaunch:
     if hit is None:
         hit = _launchers[key] = CompiledLaunch(kernel)
     return hit
+
+
+class LaunchPlan:
+    """Recorded launches (``recorded_launches``), sent again with other
+    tensors in some of their arguments.
+
+    ``build`` sorts every tensor argument of the recorded launches into one
+    of four kinds; one that fits none, or more than one, makes no plan:
+
+    - ``bound`` (the same address and dtype): the tensor passed to
+      ``launch`` in its place;
+    - ``fresh`` (the same address and dtype): a tensor of its size, strides
+      and dtype that each ``launch`` allocates, for what a launch of the
+      plan writes and a later one reads;
+    - at the address of one of ``fixed``: that address, as an int. The plan
+      keeps none of these tensors alive, so its owner keys it by their
+      addresses (a tensor at the same address is then the one it was built
+      for);
+    - one of ``kept`` (the same object): itself, kept alive by the plan.
+
+    Anything a call computes other than by its recorded launches (a copy, a
+    matmul) is therefore not in the plan: its output is a tensor of none of
+    these kinds, and the caller gets no plan for that call.
+    """
+
+    __slots__ = ("device", "torch_device", "fresh", "launches")
+
+    @classmethod
+    def build(
+        cls,
+        records: list[RecordedLaunch | None],
+        bound: tuple[Tensor | None, ...],
+        fresh: tuple[Tensor, ...] = (),
+        fixed: tuple[Tensor | None, ...] = (),
+        kept: tuple[Tensor | None, ...] = (),
+    ) -> "LaunchPlan | None":
+        if not records or any(r is None for r in records):
+            return None
+        slots: dict[tuple, int] = {}
+        for i, t in enumerate((*bound, *fresh)):
+            if t is not None:
+                key = (t.data_ptr(), t.dtype)
+                slots[key] = -1 if key in slots else i
+        addresses = {t.data_ptr() for t in fixed if t is not None}
+        kept_ids = {id(t) for t in kept if t is not None}
+        launches = []
+        for compiled, grid, args, rest in records:
+            template = list(args)
+            binds = []
+            for i, a in enumerate(args):
+                if not isinstance(a, Tensor):
+                    continue
+                slot = slots.get((a.data_ptr(), a.dtype))
+                kinds = (
+                    (slot is not None)
+                    + (a.data_ptr() in addresses)
+                    + (id(a) in kept_ids)
+                )
+                if kinds != 1 or slot == -1:
+                    return None
+                if slot is not None:
+                    binds.append((i, slot))
+                    template[i] = None
+                elif id(a) not in kept_ids:
+                    template[i] = a.data_ptr()
+            launches.append((compiled, grid, tuple(template), tuple(binds), rest))
+        plan = cls()
+        plan.device = driver.active.get_current_device()
+        device = next(t.device for t in (*bound, *fresh) if t is not None)
+        plan.torch_device = device
+        plan.fresh = tuple((t.shape, t.stride(), t.dtype) for t in fresh)
+        plan.launches = tuple(launches)
+        return plan
+
+    def launch(self, *tensors: Tensor | None) -> tuple[Tensor | None, ...] | None:
+        """Send the launches with ``tensors`` in ``bound``'s places. Returns
+        those tensors then the fresh ones, or None, having launched nothing,
+        where a direct launch is not allowed now (a launch hook installed,
+        another device current)."""
+        if hooks_installed():
+            return None
+        device = driver.active.get_current_device()
+        if device != self.device:
+            return None
+        sources = tensors + tuple(
+            torch.empty_strided(size, stride, dtype=dtype, device=self.torch_device)
+            for size, stride, dtype in self.fresh
+        )
+        stream = driver.active.get_current_stream(device)
+        for compiled, grid, args, binds, rest in self.launches:
+            if binds:
+                args = list(args)
+                for i, slot in binds:
+                    args[i] = sources[slot]
+            compiled.run(
+                *grid,
+                stream,
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *rest,
+            )
+        return sources

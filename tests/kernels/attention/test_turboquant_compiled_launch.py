@@ -16,6 +16,7 @@ from triton.runtime.jit import JITFunction
 
 from tests.kernels.attention.turboquant_packed import decode, packed_case, tables
 from vllm.triton_utils import compiled_launch
+from vllm.v1.attention.ops import turboquant_decode as tq_decode
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 
 pytestmark = pytest.mark.gpu
@@ -58,9 +59,11 @@ def _step(preset: str, rows: int):
 @pytest.fixture(autouse=True)
 def fresh_launchers(monkeypatch):
     """Nothing an earlier test compiled is launched directly here: each
-    test's first step goes through the JIT (whose own cache it may hit)."""
+    test's first step goes through the JIT (whose own cache it may hit),
+    and no decode plan of an earlier test is sent again."""
     for launch in compiled_launch._launchers.values():
         monkeypatch.setattr(launch, "_compiled", {})
+    monkeypatch.setattr(tq_decode, "_plans", {})
 
 
 @pytest.fixture
@@ -95,6 +98,9 @@ def test_direct_launches_compute_the_jits_bits(preset, monkeypatch):
     direct = step()
     for launch in compiled_launch._launchers.values():
         monkeypatch.setattr(launch, "enabled", False)
+    # The decode's plan would launch directly: none is kept or sent.
+    monkeypatch.setattr(tq_decode, "_plans", {})
+    monkeypatch.setattr(tq_decode, "MAX_PLANS", 0)
     through_jit = step()
     assert not torch.isnan(direct).any()
     assert torch.equal(direct, through_jit)

@@ -35,6 +35,7 @@ from fractions import Fraction
 import torch
 
 import vllm.envs as envs
+from vllm.triton_utils.compiled_launch import LaunchPlan, recorded_launches
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as triton_stage1
 from vllm.v1.attention.ops.triton_turboquant_decode_splitkv import supports
 from vllm.v1.attention.ops.triton_turboquant_rotate_query import (
@@ -231,7 +232,150 @@ def decode_attention(
     or ``triton``; default ``VLLM_TURBOQUANT_DECODE``), ``num_splits``,
     ``geometry`` (the Triton stage 1's, see ``default_geometry``; it implies
     that stage) and ``min_split_tokens`` override the defaults (A/B runs).
+
+    A call whose launches all went out directly (``compiled_launch``) and
+    whose every tensor is an argument, the Gluon key table or written by one
+    of them leaves a ``LaunchPlan`` under ``_plan_key`` of its arguments:
+    everything a choice, a check or a compiled kernel reads, with the
+    addresses of the tensors that stay put (cache, scratch, rotation,
+    centroids, key scale and offset). The next call with that key sends the
+    plan's launches with its own query, block table, sequence lengths and
+    output (none of which it reads but for their layout), skipping every
+    check and choice: the same launches, for ~11 of the decode's ~38 µs of
+    Python on a CPU host (benchmarks/NOTES.md). Raw windows are not planned.
     """
+    stage = stage or envs.VLLM_TURBOQUANT_DECODE
+    settings = (
+        scale,
+        mse_bits,
+        key_packed_size,
+        value_quant_bits,
+        key_fp8,
+        norm_correction,
+        max_num_kv_splits,
+        num_splits,
+        geometry,
+        out_dtype,
+        min_split_tokens,
+        hadamard_query,
+        stage,
+        value_rotation,
+    )
+    key = None
+    if raw_window is None:
+        key = _plan_key(
+            (query, block_table, seq_lens, output_buf),
+            (kv_cache, mid_o_buf, PiT, centroids, key_scale, key_offset),
+            settings,
+        )
+        hit = _plans.get(key)
+        if hit is not None:
+            tensors = hit[0].launch(query, block_table, seq_lens, output_buf)
+            if tensors is not None:
+                out = tensors[hit[1]]
+                if out is output_buf:
+                    B, Hq, D = query.shape
+                    return out[:B, :Hq, :D]
+                return out
+    with recorded_launches() as records:
+        out, fresh, table = _decode(
+            query, kv_cache, block_table, seq_lens, PiT, centroids, scale,
+            mse_bits, key_packed_size, value_quant_bits, key_fp8, norm_correction,
+            mid_o_buf, output_buf, max_num_kv_splits, num_splits, geometry,
+            out_dtype, min_split_tokens, hadamard_query, stage, key_scale,
+            key_offset, value_rotation, raw_window,
+        )  # fmt: skip
+    if (
+        key is not None
+        and MAX_PLANS
+        and not (query.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        fixed = (kv_cache, mid_o_buf, PiT, centroids, key_scale, key_offset)
+        _remember(
+            key, records, query, block_table, seq_lens, output_buf, out, fresh, fixed,
+            table,
+        )  # fmt: skip
+    return out
+
+
+# Plans of decode calls seen before (decode_attention), by _plan_key: a few
+# tuples each, one per layer and batch shape an engine runs outside full
+# CUDA graphs. Past this many the map starts again.
+MAX_PLANS = 16384
+_plans: dict[tuple, tuple[LaunchPlan, int]] = {}
+
+
+def _layout(t: torch.Tensor | None, address_bits: int = -1):
+    """A tensor as a plan key sees it: shape, strides, dtype and address
+    (of which only the low 4 bits, the alignment a compiled kernel may
+    depend on, for ``address_bits=15``)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & address_bits
+
+
+def _plan_key(bound: tuple, fixed: tuple, settings: tuple) -> tuple:
+    """What a decode's launches depend on: the layouts of the tensors bound
+    per call (their alignment, not their addresses), the layouts and
+    addresses of those that stay put, and every other argument."""
+    return (
+        *[_layout(t, 15) for t in bound],
+        *[_layout(t) for t in fixed],
+        settings,
+    )
+
+
+def _remember(
+    key, records, query, block_table, seq_lens, output_buf, out, fresh, fixed, table
+) -> None:
+    """Keep the plan of a call that made one, under ``key``."""
+    bound = (query, block_table, seq_lens, output_buf)
+    if any(out is t for t in fresh):
+        result = len(bound) + next(i for i, t in enumerate(fresh) if out is t)
+    elif output_buf is not None and out.data_ptr() == output_buf.data_ptr():
+        result = 3
+    else:
+        return
+    plan = LaunchPlan.build(records, bound, tuple(fresh), fixed, (table,))
+    if plan is None:
+        return
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[key] = (plan, result)
+
+
+def _decode(
+    query,
+    kv_cache,
+    block_table,
+    seq_lens,
+    PiT,
+    centroids,
+    scale,
+    mse_bits,
+    key_packed_size,
+    value_quant_bits,
+    key_fp8,
+    norm_correction,
+    mid_o_buf,
+    output_buf,
+    max_num_kv_splits,
+    num_splits,
+    geometry,
+    out_dtype,
+    min_split_tokens,
+    hadamard_query,
+    stage,
+    key_scale,
+    key_offset,
+    value_rotation,
+    raw_window,
+):
+    """``decode_attention``'s checks, choices and launches. Returns the
+    output, the tensors it allocated for its launches to write (their
+    outputs, the rotated query and ``q . key_offset``, a scratch) and the
+    Gluon key table it read, if any."""
+    fresh = []
     B, Hq, D = query.shape
     Hk = kv_cache.shape[2]
     group = Hq // Hk
@@ -282,10 +426,10 @@ def decode_attention(
         out = output_buf[:B, :Hq, :D]
     else:
         out = torch.empty(B, Hq, D, dtype=out_dtype, device=device)
+        fresh.append(out)
 
     # The Gluon stage 1 where it serves this layout and, for MSE keys, its
     # key table exists (none is built during a CUDA graph capture).
-    stage = stage or envs.VLLM_TURBOQUANT_DECODE
     gluon = None
     if stage == "gluon" and geometry is None:
         gluon = gluon_stage1(device)
@@ -328,6 +472,7 @@ def decode_attention(
             mid = scratch_view(mid_o_buf, B, Hq, slots, D)
         else:
             mid = torch.empty(B, Hq, slots, D + 1, dtype=torch.float32, device=device)
+            fresh.append(mid)
     else:
         mid = out  # not read: stage 1 writes the output
 
@@ -345,8 +490,10 @@ def decode_attention(
         elif hadamard_query:
             if key_offset is None:
                 q_in = rotate_query(query, PiT, key_scale)
+                fresh.append(q_in)
             else:
                 q_in, qmu = rotate_query_with_offset(query, PiT, key_scale, key_offset)
+                fresh += (q_in, qmu)
         else:
             q_f = query.float() if key_scale is None else query.float() * key_scale
             q_in = q_f @ PiT
@@ -400,10 +547,10 @@ def decode_attention(
             window=raw_window is not None,
         )
     if num_splits > 1:
-        return triton_stage1.merge(mid, out, slots, PiT if value_rotation else None)
-    if value_rotation:
-        return triton_stage1.rotate_output_back(out, PiT)
-    return out
+        out = triton_stage1.merge(mid, out, slots, PiT if value_rotation else None)
+    elif value_rotation:
+        out = triton_stage1.rotate_output_back(out, PiT)
+    return out, fresh, table
 
 
 def maybe_decode_attention(
