@@ -107,9 +107,10 @@ def _call(case, **overrides):
 
 
 def _addresses(launches, known) -> list:
-    """The launches with every tensor as its address, and each address
-    that is none of ``known``'s (a tensor allocated by the call) named by
-    its order of appearance: two calls allocate at different addresses."""
+    """The launches with every tensor of ``known``'s as its address (a plan
+    passes fixed tensors as addresses), and every other tensor (allocated
+    by the call; two calls allocate at different addresses) named by its
+    order of appearance."""
     names: dict[int, str] = {}
     out = []
     for args in launches:
@@ -117,8 +118,8 @@ def _addresses(launches, known) -> list:
         for a in args:
             if isinstance(a, torch.Tensor):
                 a = a.data_ptr()
-            if isinstance(a, int) and a > 1 << 32 and a not in known:
-                a = names.setdefault(a, f"allocated {len(names)}")
+                if a not in known:
+                    a = names.setdefault(a, f"allocated {len(names)}")
             row.append(a)
         out.append(tuple(row))
     return out
