@@ -335,3 +335,44 @@ def test_the_table_shows_the_options_ab(bench):
     ab = dict(a=120.0, a_min=110.0, b=112.0, b_min=104.0, b_minus_a=-7.5)
     md = bench.markdown("H200", [], options={"turboquant_4bit_nc": {"forward": ab}})
     assert "| turboquant_4bit_nc | forward | 120 (110) | 112 (104) | 7.5 |" in md
+
+
+def test_the_table_shows_the_plan_ab(bench):
+    ab = dict(a=221.0, a_min=203.0, b=107.0, b_min=99.0, b_minus_a=-115.3)
+    md = bench.markdown("H200", [], plans={"turboquant_4bit_nc": {"forward": ab}})
+    assert "| turboquant_4bit_nc | forward | 221 (203) | 107 (99) | 115.3 |" in md
+
+
+def test_the_plan_ab_plans_on_one_side_only_and_restores_the_map(bench, monkeypatch):
+    """Side A sends no plan and keeps none; side B keeps its plans from one
+    call to the next; the module's map and bound are as they were after."""
+    from vllm.v1.attention.ops import turboquant_decode
+
+    seen = []
+
+    def forward():
+        seen.append((turboquant_decode.MAX_PLANS, id(turboquant_decode._plans)))
+
+    monkeypatch.setattr(bench, "decode_step_calls", lambda p, d: (forward, None))
+    monkeypatch.setattr(
+        bench, "paired_host_us", lambda fa, fb: [f() for f in (fa, fb, fa, fb)]
+    )
+    before = (turboquant_decode.MAX_PLANS, id(turboquant_decode._plans))
+    bench.plan_saving("turboquant_4bit_nc", torch.device("cpu"))
+    a1, b1, a2, b2 = seen
+    assert a1[0] == a2[0] == 0
+    assert b1[0] == b2[0] == before[0] > 0
+    assert b1[1] == b2[1] != before[1]  # one map kept across B's calls
+    assert (turboquant_decode.MAX_PLANS, id(turboquant_decode._plans)) == before
+
+
+def test_every_launch_skipped_includes_launches_of_a_plan(bench):
+    """A decode plan calls each compiled kernel's ``run``: with every launch
+    skipped that is a stand-in, and the kernels' own afterwards."""
+    from triton.compiler import CompiledKernel
+
+    compiled = CompiledKernel.__new__(CompiledKernel)
+    compiled._run = lambda *args: pytest.fail("launched")
+    with bench.launches_skipped():
+        assert compiled.run(1, 2, 3) is None
+    assert compiled.run is compiled._run
