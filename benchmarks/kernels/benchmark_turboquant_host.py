@@ -532,17 +532,22 @@ def _launch_nothing(*args):
 
 
 @contextlib.contextmanager
-def plans_off():
-    """No decode plan is sent or kept (patch 0017's ``turboquant_decode``):
-    every decode call makes its checks and choices, as a batch shape's
-    first call does."""
+def plans_in(plans: dict, most: int):
+    """Decode plans (patch 0017's ``turboquant_decode``) sent from and kept
+    in ``plans``, at most ``most`` of them."""
     from vllm.v1.attention.ops import turboquant_decode
 
     with (
-        replaced(turboquant_decode, "_plans", {}),
-        replaced(turboquant_decode, "MAX_PLANS", 0),
+        replaced(turboquant_decode, "_plans", plans),
+        replaced(turboquant_decode, "MAX_PLANS", most),
     ):
         yield
+
+
+def plans_off():
+    """No decode plan is sent or kept: every decode call makes its checks
+    and choices, as a batch shape's first call does."""
+    return plans_in({}, 0)
 
 
 def plan_saving(preset: str, device) -> dict:
@@ -557,10 +562,7 @@ def plan_saving(preset: str, device) -> dict:
 
     def planning(plans, most):
         def call():
-            with (
-                replaced(turboquant_decode, "_plans", plans),
-                replaced(turboquant_decode, "MAX_PLANS", most),
-            ):
+            with plans_in(plans, most):
                 forward()
 
         return call

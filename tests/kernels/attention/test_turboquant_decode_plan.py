@@ -153,13 +153,17 @@ def _unplanned(sent, monkeypatch, case, **overrides):
         return list(sent)
 
 
+def _gluon_as_on_a_gpu(monkeypatch):
+    """The Gluon stage 1's wrapper where a GPU would run it."""
+    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon)
+    monkeypatch.setattr(tq_decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gluon, "resident_warps", lambda: 16)
+
+
 @pytest.fixture(params=["gluon", "triton"])
 def stage(request, monkeypatch):
     if request.param == "gluon":
-        # The Gluon stage 1's wrapper where a GPU would run it.
-        monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon)
-        monkeypatch.setattr(tq_decode, "num_sms", lambda device: 132)
-        monkeypatch.setattr(gluon, "resident_warps", lambda: 16)
+        _gluon_as_on_a_gpu(monkeypatch)
     return request.param
 
 
@@ -229,11 +233,8 @@ def _rows(case, rows):
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_each_part_of_the_key_changed_alone_is_a_new_plan(sent, monkeypatch, change):
-    stage = "gluon"
-    monkeypatch.setattr(tq_decode, "gluon_stage1", lambda device: gluon)
-    monkeypatch.setattr(tq_decode, "num_sms", lambda device: 132)
-    monkeypatch.setattr(gluon, "resident_warps", lambda: 16)
-    base = _case("turboquant_4bit_nc", 2, stage, seed=3)
+    _gluon_as_on_a_gpu(monkeypatch)
+    base = _case("turboquant_4bit_nc", 2, "gluon", seed=3)
     _call(base)
     _call(base)
     changed = CHANGES[change](base)
