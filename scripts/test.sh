@@ -14,6 +14,10 @@ py="$(cd "$VENV" && pwd)/bin/python"  # absolute: the upstream tests run from an
 # The side steps' logs and the resolve's pytest folder, gone when the script ends.
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+# The kernel tests run under the interpreter twice, at their patch's place and
+# against the wheel; a launch one run made with the same code and bytes is read
+# back by the other (hybridkv/testing/interpreter_memo.py).
+export HYBRIDKV_INTERPRET_MEMO="$scratch/interpret-memo"
 
 # Steps that share nothing with the ones in line but read-only files run beside them:
 # CI has two cores, every step is one process, and the resolve mostly waits on PyPI. In

@@ -43,7 +43,9 @@ the interpreter is not active) or the ``triton_device`` fixture ("cuda" on a
 GPU, "cpu" under the interpreter, else skipped). Use fp32 under the
 interpreter (bf16 gives wrong results/NaN there) and small shapes. The plugin
 also has the interpreter patch triton.language once a launch
-(``hybridkv.testing.triton_interpreter``).
+(``hybridkv.testing.triton_interpreter``) and, when ``HYBRIDKV_INTERPRET_MEMO``
+names a folder, reuse launches that recur exactly, there and in other processes
+given the same folder (``hybridkv.testing.interpreter_memo``).
 """
 
 import importlib.abc
@@ -54,6 +56,9 @@ import pytest
 
 PLATFORM_ENV = "HYBRIDKV_TEST_PLATFORM"
 INTERPRET_ENV = "HYBRIDKV_TRITON_INTERPRET"
+# A folder: interpreter launches that recur exactly are read back from it
+# (hybridkv.testing.interpreter_memo).
+MEMO_ENV = "HYBRIDKV_INTERPRET_MEMO"
 _ENTRY_POINT_MODULE = "hybridkv.testing.cpu_platform"
 _TRUE = {"1", "true", "yes", "on"}
 # The commit the stand-in hub cache says `main` points at (any 40 hex digits).
@@ -149,6 +154,11 @@ def _setup(config) -> None:
         from hybridkv.testing import triton_interpreter
 
         triton_interpreter.install()
+        memo = os.environ.get(MEMO_ENV, "").strip()
+        if memo:
+            from hybridkv.testing import interpreter_memo
+
+            _state["memo"] = interpreter_memo.install(memo)
 
     redirect_dir = getattr(opts, "model_redirect_dir", None)
     if redirect_dir:
@@ -342,3 +352,13 @@ def _cleanup_without_a_full_collection(request):
     envs.disable_envs_cache()
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _state.get("memo"):
+        from hybridkv.testing.interpreter_memo import stats
+
+        terminalreporter.write_line(
+            f"Triton interpreter launches: {stats['run']} run, {stats['reused']} "
+            f"read back from ${MEMO_ENV}"
+        )
