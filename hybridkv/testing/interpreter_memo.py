@@ -32,6 +32,7 @@ same time share a folder, and a file cut short is taken for a miss.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import inspect
 import os
@@ -101,8 +102,17 @@ def code_digest(fn, files: dict[str, bytes], seen: dict[int, bytes]) -> bytes:
     return seen[key]
 
 
-def _storage_bytes(storage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+# Storages are read and written as memory, as the interpreter's loads and stores
+# do: no torch op, so a dispatch mode that records writes (a test's) sees a
+# launch read back as it sees one run.
+def _read(storage) -> bytes:
+    n = storage.nbytes()
+    return ctypes.string_at(storage.data_ptr(), n) if n else b""
+
+
+def _write(storage, data: bytes) -> None:
+    if data:
+        ctypes.memmove(storage.data_ptr(), data, len(data))
 
 
 def _describe(arg, storages: dict[int, object], out: list[str]) -> bool:
@@ -155,7 +165,7 @@ class _Memo:
         ordered = [s for _, s in sorted(storages.values(), key=lambda p: p[0])]
         for storage in ordered:
             h.update(storage.nbytes().to_bytes(8, "little"))
-            h.update(_storage_bytes(storage).numpy().data)
+            h.update(_read(storage))
         return h.hexdigest(), ordered
 
     def reuse(self, name: str, storages) -> bool:
@@ -166,12 +176,10 @@ class _Memo:
             return False
         if len(data) != sum(s.nbytes() for s in storages):
             return False
-        kept = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
         start = 0
         for storage in storages:
             n = storage.nbytes()
-            if n:
-                _storage_bytes(storage).copy_(kept[start : start + n])
+            _write(storage, data[start : start + n])
             start += n
         return True
 
@@ -180,7 +188,7 @@ class _Memo:
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".part-")
         with os.fdopen(fd, "wb") as f:
             for storage in storages:
-                f.write(_storage_bytes(storage).numpy().tobytes())
+                f.write(_read(storage))
         os.replace(tmp, self.folder / name)
 
 

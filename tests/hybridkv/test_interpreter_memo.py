@@ -79,6 +79,24 @@ CHILD = textwrap.dedent(
     shared = torch.cat([x, torch.zeros(20)])
     reused, _ = run(shared[:20], shared[20:])
     steps["shared_again"] = (reused, shared.tolist())
+    # A launch read back runs no torch op: a dispatch mode that records writes
+    # (the output-rows tests') sees it as it sees a launch run.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    out = torch.full_like(x, float("nan"))
+    before = memo.stats["reused"]
+    with Ops() as mode:
+        kern.kernel[(2,)](x, out, x.numel(), BLOCK=16)
+    steps["quiet"] = (memo.stats["reused"] - before, mode.ops)
     print(json.dumps({"installed": installed, "steps": steps, "x": x.tolist()}))
     """
 )
@@ -127,6 +145,7 @@ def test_a_launch_that_recurs_exactly_is_read_back_and_any_change_runs_it(tmp_pa
     assert steps["shared"][0] == 0 and _close(steps["shared"][1], _want(x))
     reused, shared = steps["shared_again"]
     assert reused == 1 and _close(shared, x + _want(x))
+    assert steps["quiet"] == [1, []]
 
     # Another process with the same folder reads every launch back.
     again = _child(tmp_path, memo)["steps"]
