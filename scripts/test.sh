@@ -33,16 +33,22 @@ beside() {
   local name=$1
   shift
   step_log[$name]=$(mktemp -p "$scratch")
-  nice -n 10 "$@" >"${step_log[$name]}" 2>&1 &
+  # Its log ends with when it ended, in seconds since this script started.
+  {
+    local rc=0
+    nice -n 10 "$@" || rc=$?
+    printf '(ended at %d s)\n' "$SECONDS"
+    exit "$rc"
+  } >"${step_log[$name]}" 2>&1 &
   step_pid[$name]=$!
 }
 report() {
-  printf '\n== %s (ran beside the steps above)\n' "$2"
+  printf '\n== %s (ran beside the steps above; waited for at %d s)\n' "$2" "$SECONDS"
   if ! wait "${step_pid[$1]}"; then
     cat "${step_log[$1]}"
     exit 1
   fi
-  if [ "$3" -eq 0 ]; then cat "${step_log[$1]}"; else tail -n "$3" "${step_log[$1]}"; fi
+  if [ "$3" -eq 0 ]; then cat "${step_log[$1]}"; else tail -n "$(($3 + 1))" "${step_log[$1]}"; fi
 }
 
 # The fresh-install resolve (pip --dry-run against PyPI) waits on the network.
@@ -60,16 +66,16 @@ beside prefix env OMP_NUM_THREADS=1 "$VENV/bin/hybridkv" prefix-test --skip-full
 beside kernels env HYBRIDKV_TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$py" -m pytest tests/kernels \
   tests/benchmarks/test_turboquant_readback_benchmark.py -q -p no:cacheprovider
 
-printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add)\n' 0.14.0
+printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add) (at %d s)\n' 0.14.0 "$SECONDS"
 "$VENV/bin/hybridkv" lint
 
-printf '\n== hybridkv tests (tests/)\n'
+printf '\n== hybridkv tests (tests/) (at %d s)\n' "$SECONDS"
 HYBRIDKV_SKIP_RESOLVE=1 "$py" -m pytest tests -q -p no:cacheprovider "$@"
 
-printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh)\n'
+printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh) (at %d s)\n' "$SECONDS"
 HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
 
-printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist)\n'
+printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist) (at %d s)\n' "$SECONDS"
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
 mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)
 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
@@ -79,6 +85,6 @@ mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.tx
 HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
 
-report kernels "Triton kernels under the CPU interpreter (tests/kernels, the read-back benchmark's)" 1
+report kernels "Triton kernels under the CPU interpreter (tests/kernels, the read-back benchmark's)" 2
 report prefix "each patch at its place: patches 1..N on pristine vLLM, patch N's tests" 0
 report resolve "fresh pip install of the wheel resolves a set that runs Gemma 4 (PyPI)" 3
