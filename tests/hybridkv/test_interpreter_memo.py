@@ -2,15 +2,12 @@
 """hybridkv.testing.interpreter_memo: interpreter launches that recur exactly
 are read back, and anything a launch can read that changed runs it again.
 
-Each case runs in a child process: the interpreter is chosen when Triton is
-imported, and this session's Triton is the native one (or vLLM's placeholder).
+Each case runs in a child process (``interpreter_child``).
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
+
+from tests.hybridkv.interpreter_child import run_interpreted
 
 # The device function and the constant it reads live in a module of their own:
 # what a kernel's globals reach is part of its code.
@@ -106,19 +103,7 @@ def _child(tmp_path, memo_dir) -> dict:
     (tmp_path / "child.py").write_text(CHILD)
     if not (tmp_path / "kern_ops.py").exists():
         (tmp_path / "kern_ops.py").write_text(OPS)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(tmp_path), os.getcwd(), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "child.py"), str(memo_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(tmp_path / "child.py", str(memo_dir), path=[tmp_path])
 
 
 def _want(x, scale=2.0, shift=1.0):

@@ -1,17 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """hybridkv.testing.triton_interpreter: triton.language patched once a launch.
 
-Each case runs in a child process: the interpreter is chosen when Triton is
-imported, and this session's Triton is the native one (or vLLM's placeholder).
+Each case runs in a child process (``interpreter_child``).
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.hybridkv.interpreter_child import run_interpreted
 
 CHILD = textwrap.dedent(
     """
@@ -74,19 +71,7 @@ CHILD = textwrap.dedent(
 def _child(tmp_path, mode: str) -> dict:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.getcwd(), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    run = subprocess.run(
-        [sys.executable, str(script), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_interpreted(script, mode, timeout=120)
 
 
 @pytest.fixture(scope="module")
