@@ -21,7 +21,6 @@ from pathlib import Path
 from hybridkv.base import REPO, pristine_wheel_dir
 from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.series import Series
-from hybridkv.testing.interpreter_memo import MEMO_ENV
 
 # Triton kernel tests need the interpreter chosen before triton is imported.
 INTERPRETED = ("tests/kernels/",)
@@ -46,9 +45,7 @@ def prefix_tree(series: Series, n: int, dest: Path) -> Path:
             f = dest / d.path
             new = apply_hunks(read_lines(f) if f.exists() else [], d.hunks)
             if new is None:
-                raise SystemExit(
-                    f"{patch.name}: does not apply at its place ({d.path})"
-                )
+                raise SystemExit(f"{patch.name}: does not apply at its place ({d.path})")
             if f.is_symlink():
                 f.unlink()
             f.parent.mkdir(parents=True, exist_ok=True)
@@ -75,9 +72,7 @@ def _link_farm(src: Path, dest: Path, rel: Path, made: set[Path]) -> None:
             os.symlink(entry.path, dest / rel / entry.name)
 
 
-def _pytest(
-    tree: Path, tests: list[str], extra: list[str], interpret: bool, out
-) -> int:
+def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, out) -> int:
     """Run ``tests`` against ``tree``; its output goes to ``out`` (None: this
     process's stdout and stderr)."""
     env = dict(os.environ)
@@ -94,37 +89,17 @@ def _pytest(
         env["HYBRIDKV_TRITON_INTERPRET"] = "1"
     # Hypothesis's pytest plugin costs 0.8 s of imports a process, ~40 processes a
     # run; its @given tests run without it.
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:hypothesispytest",
-        "-p",
-        "hybridkv.testing.pytest_plugin",
-        *tests,
-        *extra,
-    ]
-    print(
-        f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
-        file=out or sys.stdout,
-        flush=True,
-    )
-    return subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=out,
-        stderr=None if out is None else subprocess.STDOUT,
-    ).returncode
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "no:hypothesispytest",
+           "-p", "hybridkv.testing.pytest_plugin", *tests, *extra]
+    print(f"   $ {' '.join(cmd[1:])}" + ("  (Triton interpreter)" if interpret else ""),
+          file=out or sys.stdout, flush=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, stdout=out,
+                          stderr=None if out is None else subprocess.STDOUT).returncode
 
 
-def _at_its_place(
-    series: Series, n: int, tests: list[str], extra: list[str], out
-) -> int:
+def _at_its_place(series: Series, n: int, tests: list[str], extra: list[str],
+                  out) -> int:
     """Patch ``n``'s ``tests`` on pristine vLLM with patches 1..n; its return code."""
     with tempfile.TemporaryDirectory(prefix=f"hybridkv-prefix-{n:02d}-") as tmp:
         tree = prefix_tree(series, n, Path(tmp))
@@ -137,14 +112,8 @@ def _at_its_place(
     return rc
 
 
-def run(
-    series: Series,
-    only: list[str],
-    extra: list[str],
-    skip_full: bool = False,
-    log=print,
-    jobs: int = 1,
-) -> int:
+def run(series: Series, only: list[str], extra: list[str], skip_full: bool = False,
+        log=print, jobs: int = 1) -> int:
     """Run each selected patch's tests at its place; 0 if all pass.
 
     ``skip_full`` leaves out the last patch, whose place is the whole series
@@ -174,13 +143,9 @@ def run(
 
     def heading(n, patch, tests):
         if tests is None:
-            return (
-                f"\n== {patch.name}: the whole series; its tests ran against the wheel"
-            )
-        return (
-            f"\n== {patch.name}: patches 1..{n} on pristine vLLM, "
-            f"its {len(tests)} test files"
-        )
+            return f"\n== {patch.name}: the whole series; its tests ran against the wheel"
+        return (f"\n== {patch.name}: patches 1..{n} on pristine vLLM, "
+                f"its {len(tests)} test files")
 
     def held(n, tests):
         with tempfile.TemporaryFile("w+") as out:
@@ -189,14 +154,10 @@ def run(
             return rc, out.read()
 
     # Places with kernel tests start first: the interpreter makes them the longest,
-    # and one of them started last would run alone at the end of the run. With an
-    # interpreter memo (CI's, shared with its run of tests/kernels against the
-    # wheel) they start last instead, to read back what that run launched.
-    memo = bool(os.environ.get(MEMO_ENV, "").strip())
-
+    # and one of them started last would run alone at the end of the run.
     def interpreted_first(entry):
         n, _, tests = entry
-        return (any(map(_interpreted, tests)) == memo, n)
+        return (not any(map(_interpreted, tests)), n)
 
     failed = []
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

@@ -27,8 +27,7 @@ Files are written whole (a temporary file renamed), so processes running at the
 same time share a folder, and a file cut short is taken for a miss.
 
 ``install(folder)`` turns it on for this process; the pytest plugin does when
-``HYBRIDKV_INTERPRET_MEMO`` names a folder. The module imports torch only when a
-launch is keyed, so tools can read ``MEMO_ENV`` without it.
+``HYBRIDKV_INTERPRET_MEMO`` names a folder.
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ import tempfile
 import types
 from pathlib import Path
 
-# A folder: interpreter launches that recur exactly are read back from it.
-MEMO_ENV = "HYBRIDKV_INTERPRET_MEMO"
+import torch
+
 # Marks the interpreter function this module has wrapped.
 _WRAPPED = "_hybridkv_memo"
-_BASIC = (bool, int, float, str, type(None))
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
 stats = {"run": 0, "reused": 0}
 
 
@@ -62,12 +61,9 @@ def _file_digest(path: str, cache: dict[str, bytes]) -> bytes:
 
 def _plain_repr(value) -> str | None:
     """A stable text for a constant a kernel may read, else None."""
-    import torch
-
-    plain = (*_BASIC, torch.dtype)
-    if isinstance(value, plain):
+    if isinstance(value, _PLAIN):
         return f"{type(value).__name__}:{value!r}"
-    if isinstance(value, tuple) and all(isinstance(v, plain) for v in value):
+    if isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value):
         return repr(value)
     text = type(value).__name__
     if text in ("constexpr", "dtype", "pointer_type"):  # triton.language values
@@ -121,8 +117,6 @@ def _write(storage, data: bytes) -> None:
 
 def _describe(arg, storages: dict[int, object], out: list[str]) -> bool:
     """Append ``arg``'s description to ``out``; False if it cannot be keyed."""
-    import torch
-
     if isinstance(arg, torch.Tensor):
         if arg.device.type != "cpu":
             return False

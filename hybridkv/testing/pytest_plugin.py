@@ -54,10 +54,11 @@ import sys
 
 import pytest
 
-from hybridkv.testing.interpreter_memo import MEMO_ENV
-
 PLATFORM_ENV = "HYBRIDKV_TEST_PLATFORM"
 INTERPRET_ENV = "HYBRIDKV_TRITON_INTERPRET"
+# A folder: interpreter launches that recur exactly are read back from it
+# (hybridkv.testing.interpreter_memo).
+MEMO_ENV = "HYBRIDKV_INTERPRET_MEMO"
 _ENTRY_POINT_MODULE = "hybridkv.testing.cpu_platform"
 _TRUE = {"1", "true", "yes", "on"}
 # The commit the stand-in hub cache says `main` points at (any 40 hex digits).

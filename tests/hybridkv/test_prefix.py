@@ -9,7 +9,6 @@ import pytest
 from hybridkv import prefix
 from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.prefix import prefix_tree
-from hybridkv.testing.interpreter_memo import MEMO_ENV
 
 
 def test_prefix_tree_holds_exactly_the_first_n_patches(tmp_path, pristine_root, series):
@@ -89,16 +88,9 @@ def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeyp
     assert most[0] == 2
 
 
-@pytest.mark.parametrize("memo", [False, True])
-def test_places_with_kernel_tests_start_first(series, monkeypatch, tmp_path, memo):
+def test_places_with_kernel_tests_start_first(series, monkeypatch):
     """The interpreter makes a place with kernel tests the longest; started in
-    series order, 0027's and 0028's ran alone at the end of CI's run. With an
-    interpreter memo they start last, to read back what CI's run of
-    tests/kernels beside them launched."""
-    if memo:
-        monkeypatch.setenv(MEMO_ENV, str(tmp_path))
-    else:
-        monkeypatch.delenv(MEMO_ENV, raising=False)
+    series order, 0027's and 0028's ran alone at the end of CI's run."""
     started, lock = [], threading.Lock()
     # Both workers hold their place until the other has started one: the first
     # two started are the first two the pool was given.
@@ -121,7 +113,7 @@ def test_places_with_kernel_tests_start_first(series, monkeypatch, tmp_path, mem
     assert len(kernel_places) == 2  # 0016's and 0017's
     rc = prefix.run(series, only, [], log=lambda *a, **k: None, jobs=2)
     assert rc == 0
-    assert set(started[2:] if memo else started[:2]) == kernel_places, started
+    assert set(started[:2]) == kernel_places, started
     assert len(started) == 4
 
 
