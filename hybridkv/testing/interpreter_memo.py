@@ -144,7 +144,6 @@ class _Memo:
     def __init__(self, folder: Path):
         self.folder = folder
         self.files: dict[str, bytes] = {}
-        self.code: dict[int, bytes] = {}
 
     def key(self, executor, args, kwargs):
         """The launch's key and its storages in order, or None."""
