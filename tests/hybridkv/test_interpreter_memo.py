@@ -64,9 +64,27 @@ CHILD = textwrap.dedent(
     steps = {}
     steps["first"] = run(x, torch.full_like(x, float("nan")))
     steps["same"] = run(x, torch.full_like(x, float("nan")))
+    # An output from torch.empty, in memory just freed with other bytes in it:
+    # the memo fills fresh allocations, so it keys as the NaN-filled one.
+    junk = torch.randn(20)
+    del junk
+    steps["empty"] = run(x, torch.empty(20))
     y = x.clone()
     y[7] = 5.0
     steps["input"] = run(y, torch.full_like(x, float("nan")))
+    # A test that wraps the interpreter's loads to count them sees the launch run.
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    plain_load = InterpreterBuilder.create_masked_load
+    loads = []
+
+    def counting_load(self, *args, **kwargs):
+        loads.append(1)
+        return plain_load(self, *args, **kwargs)
+
+    InterpreterBuilder.create_masked_load = counting_load
+    steps["watched"] = run(x, torch.full_like(x, float("nan")))
+    InterpreterBuilder.create_masked_load = plain_load
     kern_ops.SHIFT = tl.constexpr(2.0)
     steps["constant"] = run(x, torch.full_like(x, float("nan")))
     kern_ops.SHIFT = tl.constexpr(1.0)
@@ -94,7 +112,9 @@ CHILD = textwrap.dedent(
     with Ops() as mode:
         kern.kernel[(2,)](x, out, x.numel(), BLOCK=16)
     steps["quiet"] = (memo.stats["reused"] - before, mode.ops)
-    print(json.dumps({"installed": installed, "steps": steps, "x": x.tolist()}))
+    print(json.dumps(
+        {"installed": installed, "steps": steps, "x": x.tolist(), "loads": len(loads)}
+    ))
     """
 )
 
@@ -122,6 +142,8 @@ def test_a_launch_that_recurs_exactly_is_read_back_and_any_change_runs_it(tmp_pa
     assert got["installed"]
     assert steps["first"][0] == 0 and _close(steps["first"][1], _want(x))
     assert steps["same"] == [1, steps["first"][1]]
+    assert steps["empty"] == [1, steps["first"][1]]
+    assert steps["watched"] == [0, steps["first"][1]] and got["loads"] > 0
     changed = list(x)
     changed[7] = 5.0
     assert steps["input"][0] == 0 and _close(steps["input"][1], _want(changed))
@@ -134,7 +156,10 @@ def test_a_launch_that_recurs_exactly_is_read_back_and_any_change_runs_it(tmp_pa
 
     # Another process with the same folder reads every launch back.
     again = _child(tmp_path, memo)["steps"]
-    assert {k: v[0] for k, v in again.items()} == dict.fromkeys(steps, 1)
+    assert {k: v[0] for k, v in again.items()} == {
+        **dict.fromkeys(steps, 1),
+        "watched": 0,
+    }
     assert {k: v[1] for k, v in again.items()} == {k: v[1] for k, v in steps.items()}
 
 
