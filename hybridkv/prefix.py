@@ -21,6 +21,7 @@ from pathlib import Path
 from hybridkv.base import REPO, pristine_wheel_dir
 from hybridkv.patchfile import apply_hunks, join_lines, read_lines
 from hybridkv.series import Series
+from hybridkv.testing.pytest_plugin import MEMO_ENV
 
 # Triton kernel tests need the interpreter chosen before triton is imported.
 INTERPRETED = ("tests/kernels/",)
@@ -153,20 +154,23 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
             out.seek(0)
             return rc, out.read()
 
-    # Places with kernel tests start first: the interpreter makes them the longest,
-    # and one of them started last would run alone at the end of the run. Started
-    # last so as to read back more of CI's kernel run through the interpreter memo,
-    # they made CI's rehearsal slower (942 s against 879 s on 2 cores).
-    def interpreted_first(entry):
+    # Without an interpreter memo, places with kernel tests start first: the
+    # interpreter makes them the longest, and one started last would run alone at
+    # the end of the run. With one (CI) they start last, to read back what CI's run
+    # of tests/kernels beside them launched: a second run of tests/kernels through
+    # one memo took 33 s against the first's 192 s.
+    memo = bool(os.environ.get(MEMO_ENV, "").strip())
+
+    def order(entry):
         n, _, tests = entry
-        return (not any(map(_interpreted, tests)), n)
+        return (any(map(_interpreted, tests)) == memo, n)
 
     failed = []
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pending = {
             n: pool.submit(held, n, tests)
             for n, _, tests in sorted(
-                (e for e in selected if e[2] and jobs > 1), key=interpreted_first
+                (e for e in selected if e[2] and jobs > 1), key=order
             )
         }
         for n, patch, tests in selected:
