@@ -13,11 +13,14 @@ at the same bits, and the engine could fit either at start-up, where patch
 0027 already calibrates its key offsets on random ids.
 
 For each full-attention layer of a converted real checkpoint, keys minus
-their calibrated per-head mean (0027's offset) are coded four ways, with norm
+their calibrated per-head mean (0027's offset) are coded these ways, with norm
 correction as the ``_nc`` presets: the product's codebook (``product``), a
 codebook fitted to the calibration keys (``fitted``), the product's codebook
-after a per-coordinate scale fitted to them (``scaled``), and both
-(``both``). Fits read a calibration prompt of random ids; errors are measured
+after a per-coordinate scale fitted to them (``scaled``), both (``both``), the
+product's codebook and decode after a store that searches a scale per key
+(``searched``) and, at 3 bits, the emulator's codes of coordinate pairs
+(``pairs``: 64 points, ``k3p2_nc``; ``pairs16``: 16 points and two signs,
+``k3p2m_nc``). Fits read a calibration prompt of random ids; errors are measured
 on a window of the quality corpus that the fits did not see (its first key,
 the attention sink 0027 treats apart, left out). Printed per layer: the
 relative key error ``|k_hat - k|^2 / |k - mu|^2``, the std of the logit
@@ -32,6 +35,7 @@ Cost (2 CPU cores): SmolLM2-135M ~30 s, Gemma-3-270M ~20 s.
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -41,7 +45,8 @@ import torch
 
 from tests.models.real_weights import emulate_kv_quant as emu
 
-CODES = ("product", "fitted", "scaled", "both")
+PAIR_CODES = ("pairs", "pairs16")
+CODES = ("product", "fitted", "scaled", "both", "searched", *PAIR_CODES)
 
 
 def lloyd_max(samples: torch.Tensor, start: torch.Tensor, iters: int = 30):
@@ -65,35 +70,69 @@ def code_unit(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
 
 
-def coded_keys(k, mu, h, codebook, coord_scale=None) -> torch.Tensor:
-    """Keys [Hk, T, D] minus ``mu``, rotated by ``h``, coded, and back; with
-    ``coord_scale`` ([Hk, 1, D]) the rotated coordinates are divided by it
-    before the code and multiplied after (a query times it scores the same)."""
+def code_scaled(u: torch.Tensor, codebook, coord_scale) -> torch.Tensor:
+    """``u``'s coordinates divided by ``coord_scale`` ([Hk, 1, D]) before the
+    code and multiplied after (a query times it scores the same)."""
+    z = u / coord_scale
+    y = code_unit(z / z.norm(dim=-1, keepdim=True), codebook) * coord_scale
+    return y / y.norm(dim=-1, keepdim=True)
+
+
+# The scales a searching store tries on each key; 1.0, the product's, among them.
+SEARCH_SCALES = torch.linspace(0.7, 1.4, 29, dtype=torch.float64)
+
+
+def code_searched(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """The product's decode after a store that codes ``u`` times each of
+    ``SEARCH_SCALES`` and keeps the codes nearest ``u`` after norm correction:
+    the scalar code's nearest level is nearest per coordinate, not in angle,
+    which is what a renormalized key's error is."""
+    best = code_unit(u, codebook)
+    best_err = (best - u).pow(2).sum(-1, keepdim=True)
+    for scale in SEARCH_SCALES:
+        y = code_unit(u * scale, codebook)
+        err = (y - u).pow(2).sum(-1, keepdim=True)
+        best = torch.where(err < best_err, y, best)
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
+def code_pairs(u: torch.Tensor, mirrored: bool) -> torch.Tensor:
+    """``u``'s coordinate pairs coded with the emulator's pair codebooks
+    (``k3p2_nc``; ``mirrored``: ``k3p2m_nc``), renormalized."""
+    y = emu.quant_keys_pairs(u, mirrored)
+    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
+
+
+def coded_keys(k, mu, h, code) -> torch.Tensor:
+    """Keys [Hk, T, D] minus ``mu``, rotated by ``h``, coded by ``code``
+    (rotated unit vectors -> coded unit vectors), and back."""
     x = k.double() - mu
     norm = x.norm(dim=-1, keepdim=True)
-    u = (x / norm) @ h
-    if coord_scale is None:
-        y = code_unit(u, codebook)
-    else:
-        z = u / coord_scale
-        zn = z.norm(dim=-1, keepdim=True)
-        y = code_unit(z / zn, codebook) * coord_scale
-        y = y / y.norm(dim=-1, keepdim=True)
-    return (y @ h.T) * norm + mu
+    return (code((x / norm) @ h) @ h.T) * norm + mu
 
 
 def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
-    """The four codes' (codebook, coordinate scale) fitted to ``k_calib``."""
+    """``CODES``, fitted to ``k_calib`` where they fit anything; the pair
+    codes only where ``start`` is the 3-bit codebook they spend the bits of."""
     x = k_calib.double() - mu
     u = (x / x.norm(dim=-1, keepdim=True)) @ h
     d = u.shape[-1]
     scale = u.pow(2).mean(-2, keepdim=True).sqrt() * math.sqrt(d)
-    return {
-        "product": (start, None),
-        "fitted": (lloyd_max(u, start), None),
-        "scaled": (start, scale),
-        "both": (lloyd_max(u / scale, start), scale),
+    fitted = lloyd_max(u, start)
+    codes = {
+        "product": functools.partial(code_unit, codebook=start),
+        "fitted": functools.partial(code_unit, codebook=fitted),
+        "scaled": functools.partial(code_scaled, codebook=start, coord_scale=scale),
+        "both": functools.partial(
+            code_scaled, codebook=lloyd_max(u / scale, start), coord_scale=scale
+        ),
+        "searched": functools.partial(code_searched, codebook=start),
     }
+    if len(start) == 8:
+        codes["pairs"] = functools.partial(code_pairs, mirrored=False)
+        codes["pairs16"] = functools.partial(code_pairs, mirrored=True)
+    return codes
 
 
 def layer_errors(q, k, scaling, mu, codes, h) -> dict:
@@ -103,8 +142,8 @@ def layer_errors(q, k, scaling, mu, codes, h) -> dict:
     rep = q.shape[0] // k.shape[0]
     qs = q.double()[:, ::16]
     out = {}
-    for name, (codebook, scale) in codes.items():
-        err = coded_keys(k, mu, h, codebook, scale) - kd
+    for name, code in codes.items():
+        err = coded_keys(k, mu, h, code) - kd
         rel = err.pow(2).sum(-1) / (kd - mu).pow(2).sum(-1)
         logit = torch.einsum("hsd,htd->hst", qs, err.repeat_interleave(rep, 0))
         out[name] = {
@@ -144,7 +183,8 @@ def main(argv=None) -> int:
     start, _ = emu._centroids(d, args.bits)
     print(f"model {path.name}, {args.bits}-bit keys, head_dim {d}; fitted on "
           f"{len(ids)} {source}; measured on {args.window} corpus tokens")  # fmt: skip
-    print("layer  rel. key error (" + " ".join(CODES) + ")   logit error std "
+    names = [c for c in CODES if args.bits == 3 or c not in PAIR_CODES]
+    print("layer  rel. key error (" + " ".join(names) + ")   logit error std "
           "(same)   coord RMS max/min  kurtosis")  # fmt: skip
     layers = {}
     for li in sorted(calib):
@@ -154,8 +194,8 @@ def main(argv=None) -> int:
         codes = fit_codes(k_calib[:, 1:], mu, h, start)
         res = layer_errors(q, k[:, 1:], scaling, mu, codes, h)
         layers[li] = res
-        rel = " ".join(f"{res[c]['rel_err']:.4f}" for c in CODES)
-        logit = " ".join(f"{res[c]['logit_err_std']:.3f}" for c in CODES)
+        rel = " ".join(f"{res[c]['rel_err']:.4f}" for c in names)
+        logit = " ".join(f"{res[c]['logit_err_std']:.3f}" for c in names)
         spread = f"{res['coord_rms_max_over_min']:.2f}  {res['kurtosis']:.2f}"
         print(f"{li:5d}  {rel}   {logit}   {spread}")
     mean = {
@@ -163,9 +203,9 @@ def main(argv=None) -> int:
             m: sum(r[c][m] for r in layers.values()) / len(layers)
             for m in ("rel_err", "logit_err_std")
         }
-        for c in CODES
+        for c in names
     }
-    for c in CODES:
+    for c in names:
         print(f"mean {c:8s} rel. key error {mean[c]['rel_err']:.4f}, logit error "
               f"std {mean[c]['logit_err_std']:.4f}")  # fmt: skip
     if args.json:
