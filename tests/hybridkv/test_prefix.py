@@ -88,15 +88,9 @@ def test_jobs_run_patches_at_once_and_print_them_in_series_order(series, monkeyp
     assert most[0] == 2
 
 
-@pytest.mark.parametrize("memo", ["", "/memo"])
-def test_places_with_kernel_tests_start_first_or_with_a_memo_last(
-    series, monkeypatch, memo
-):
+def test_places_with_kernel_tests_start_first(series, monkeypatch):
     """The interpreter makes a place with kernel tests the longest; started in
-    series order, 0027's and 0028's ran alone at the end of CI's run. With an
-    interpreter memo (CI) they start last, to read back the launches of CI's
-    tests/kernels run beside them."""
-    monkeypatch.setenv(prefix.MEMO_ENV, memo)
+    series order, 0027's and 0028's ran alone at the end of CI's run."""
     started, lock = [], threading.Lock()
     # Both workers hold their place until the other has started one: the first
     # two started are the first two the pool was given.
@@ -119,7 +113,7 @@ def test_places_with_kernel_tests_start_first_or_with_a_memo_last(
     assert len(kernel_places) == 2  # 0016's and 0017's
     rc = prefix.run(series, only, [], log=lambda *a, **k: None, jobs=2)
     assert rc == 0
-    assert set(started[2:] if memo else started[:2]) == kernel_places, started
+    assert set(started[:2]) == kernel_places, started
     assert len(started) == 4
 
 

@@ -105,8 +105,13 @@ MIRRORED_PAIR_KEY_BITS = 33
 # out than Lloyd-Max's 2.15 standard deviations (2.5 and 2.9, the pair code's
 # reach), the other levels kept: does the pair code gain by its reach?
 WIDE_KEY_BITS = {34: 2.5, 35: 2.9}
+# The key-bits code of 3bit_nc's code and decode after a store that searches
+# a scale per key (``quant_unit_searched``): no byte or decode changes.
+SEARCHED_KEY_BITS = 36
+# The scales that store tries; 1.0, the product's, among them.
+SEARCH_SCALES = torch.linspace(0.7, 1.4, 29, dtype=torch.float64)
 # k3p2_nc, k3p2m_nc: 3bit_nc's key bits spent on those pair codes; k3w25_nc,
-# k3w29_nc: on those scalar codes.
+# k3w29_nc: on those scalar codes; k3s_nc: 3bit_nc's code, a searching store.
 CONFIGS = {
     **PRESETS,
     "k4v2_nc": (4, 2, True),
@@ -115,6 +120,7 @@ CONFIGS = {
     "k3p2m_nc": (MIRRORED_PAIR_KEY_BITS, 3, True),
     "k3w25_nc": (34, 3, True),
     "k3w29_nc": (35, 3, True),
+    "k3s_nc": (SEARCHED_KEY_BITS, 3, True),
 }
 FP8_E4M3_MAX = 448.0
 
@@ -198,11 +204,34 @@ def quant_keys_pairs(y: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
     return (points[nearest] * signs).reshape(y.shape)
 
 
+def quant_unit_searched(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Rotated unit vectors ``u`` [..., D] -> the renormalized codes (levels
+    ``c``) of ``u`` times the one of ``SEARCH_SCALES`` whose codes come
+    nearest ``u``. The scalar code takes each coordinate's nearest level,
+    which is not the nearest direction; after norm correction the direction is
+    all a key's error is, and the same decode reads any scale's codes."""
+    mids = (c[:-1] + c[1:]) / 2
+
+    def coded(v):
+        y = c[torch.bucketize(v, mids, right=True)]
+        return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
+
+    best = coded(u)
+    best_err = (best - u).pow(2).sum(-1, keepdim=True)
+    for scale in SEARCH_SCALES:
+        y = coded(u * scale)
+        err = (y - u).pow(2).sum(-1, keepdim=True)
+        best = torch.where(err < best_err, y, best)
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
     """[..., D] keys -> dequantized keys (float64), as store + decode do
     (``QJL_KEY_BITS``: ``quant_keys_prod``; the pair codes'
     ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``;
-    ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach)."""
+    ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach;
+    ``SEARCHED_KEY_BITS``: ``quant_unit_searched``)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
@@ -213,12 +242,13 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        if bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
+        if bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS, SEARCHED_KEY_BITS):
             norm = x.norm(dim=-1)
-            unit = x / (norm[..., None] + 1e-8)
-            y = quant_keys_pairs(
-                unit @ _hadamard(d).double(), bits == MIRRORED_PAIR_KEY_BITS
-            )
+            u = (x / (norm[..., None] + 1e-8)) @ _hadamard(d).double()
+            if bits == SEARCHED_KEY_BITS:
+                y = quant_unit_searched(u, _centroids(d, 3)[0])
+            else:
+                y = quant_keys_pairs(u, bits == MIRRORED_PAIR_KEY_BITS)
         else:
             if bits in WIDE_KEY_BITS:
                 c, mids = _wide_centroids(d, WIDE_KEY_BITS[bits])

@@ -78,25 +78,6 @@ def code_scaled(u: torch.Tensor, codebook, coord_scale) -> torch.Tensor:
     return y / y.norm(dim=-1, keepdim=True)
 
 
-# The scales a searching store tries on each key; 1.0, the product's, among them.
-SEARCH_SCALES = torch.linspace(0.7, 1.4, 29, dtype=torch.float64)
-
-
-def code_searched(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """The product's decode after a store that codes ``u`` times each of
-    ``SEARCH_SCALES`` and keeps the codes nearest ``u`` after norm correction:
-    the scalar code's nearest level is nearest per coordinate, not in angle,
-    which is what a renormalized key's error is."""
-    best = code_unit(u, codebook)
-    best_err = (best - u).pow(2).sum(-1, keepdim=True)
-    for scale in SEARCH_SCALES:
-        y = code_unit(u * scale, codebook)
-        err = (y - u).pow(2).sum(-1, keepdim=True)
-        best = torch.where(err < best_err, y, best)
-        best_err = torch.minimum(err, best_err)
-    return best
-
-
 def code_pairs(u: torch.Tensor, mirrored: bool) -> torch.Tensor:
     """``u``'s coordinate pairs coded with the emulator's pair codebooks
     (``k3p2_nc``; ``mirrored``: ``k3p2m_nc``), renormalized."""
@@ -127,7 +108,7 @@ def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
         "both": functools.partial(
             code_scaled, codebook=lloyd_max(u / scale, start), coord_scale=scale
         ),
-        "searched": functools.partial(code_searched, codebook=start),
+        "searched": functools.partial(emu.quant_unit_searched, c=start),
     }
     if len(start) == 8:
         codes["pairs"] = functools.partial(code_pairs, mirrored=False)
