@@ -108,10 +108,13 @@ WIDE_KEY_BITS = {34: 2.5, 35: 2.9}
 # The key-bits code of 3bit_nc's code and decode after a store that searches
 # a scale per key (``quant_unit_searched``): no byte or decode changes.
 SEARCHED_KEY_BITS = 36
+# ... and of k3p2_nc's pair code after the same search.
+SEARCHED_PAIR_KEY_BITS = 37
 # The scales that store tries; 1.0, the product's, among them.
 SEARCH_SCALES = torch.linspace(0.7, 1.4, 29, dtype=torch.float64)
 # k3p2_nc, k3p2m_nc: 3bit_nc's key bits spent on those pair codes; k3w25_nc,
-# k3w29_nc: on those scalar codes; k3s_nc: 3bit_nc's code, a searching store.
+# k3w29_nc: on those scalar codes; k3s_nc, k3p2s_nc: 3bit_nc's and k3p2_nc's
+# codes after a searching store.
 CONFIGS = {
     **PRESETS,
     "k4v2_nc": (4, 2, True),
@@ -121,6 +124,7 @@ CONFIGS = {
     "k3w25_nc": (34, 3, True),
     "k3w29_nc": (35, 3, True),
     "k3s_nc": (SEARCHED_KEY_BITS, 3, True),
+    "k3p2s_nc": (SEARCHED_PAIR_KEY_BITS, 3, True),
 }
 FP8_E4M3_MAX = 448.0
 
@@ -204,26 +208,40 @@ def quant_keys_pairs(y: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
     return (points[nearest] * signs).reshape(y.shape)
 
 
+def nearest_direction(u: torch.Tensor, code) -> torch.Tensor:
+    """``code(u * s)`` (``code``: rotated unit vectors -> renormalized codes)
+    for the one of ``SEARCH_SCALES`` whose codes come nearest ``u``. A code
+    that takes each coordinate's (or pair's) nearest point does not take the
+    nearest direction; after norm correction the direction is all a key's
+    error is, and the same decode reads any scale's codes."""
+    best = code(u)
+    best_err = (best - u).pow(2).sum(-1, keepdim=True)
+    for scale in SEARCH_SCALES:
+        y = code(u * scale)
+        err = (y - u).pow(2).sum(-1, keepdim=True)
+        best = torch.where(err < best_err, y, best)
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
 def quant_unit_searched(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Rotated unit vectors ``u`` [..., D] -> the renormalized codes (levels
-    ``c``) of ``u`` times the one of ``SEARCH_SCALES`` whose codes come
-    nearest ``u``. The scalar code takes each coordinate's nearest level,
-    which is not the nearest direction; after norm correction the direction is
-    all a key's error is, and the same decode reads any scale's codes."""
+    """Rotated unit vectors ``u`` [..., D] -> renormalized scalar codes (levels
+    ``c``) of ``u`` at the nearest direction's scale."""
     mids = (c[:-1] + c[1:]) / 2
 
     def coded(v):
         y = c[torch.bucketize(v, mids, right=True)]
         return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
 
-    best = coded(u)
-    best_err = (best - u).pow(2).sum(-1, keepdim=True)
-    for scale in SEARCH_SCALES:
-        y = coded(u * scale)
-        err = (y - u).pow(2).sum(-1, keepdim=True)
-        best = torch.where(err < best_err, y, best)
-        best_err = torch.minimum(err, best_err)
-    return best
+    return nearest_direction(u, coded)
+
+
+def _unit_pairs(u: torch.Tensor) -> torch.Tensor:
+    y = quant_keys_pairs(u)
+    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
+
+
+UNIT_SEARCHED = (SEARCHED_KEY_BITS, SEARCHED_PAIR_KEY_BITS)
 
 
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
@@ -231,7 +249,8 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
     (``QJL_KEY_BITS``: ``quant_keys_prod``; the pair codes'
     ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``;
     ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach;
-    ``SEARCHED_KEY_BITS``: ``quant_unit_searched``)."""
+    ``SEARCHED_KEY_BITS``: ``quant_unit_searched``; ``SEARCHED_PAIR_KEY_BITS``:
+    the pair code through ``nearest_direction``)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
@@ -242,11 +261,13 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        if bits in (PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS, SEARCHED_KEY_BITS):
+        if bits in (*UNIT_SEARCHED, PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
             norm = x.norm(dim=-1)
             u = (x / (norm[..., None] + 1e-8)) @ _hadamard(d).double()
             if bits == SEARCHED_KEY_BITS:
                 y = quant_unit_searched(u, _centroids(d, 3)[0])
+            elif bits == SEARCHED_PAIR_KEY_BITS:
+                y = nearest_direction(u, _unit_pairs)
             else:
                 y = quant_keys_pairs(u, bits == MIRRORED_PAIR_KEY_BITS)
         else:

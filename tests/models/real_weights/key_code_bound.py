@@ -20,7 +20,8 @@ after a per-coordinate scale fitted to them (``scaled``), both (``both``), the
 product's codebook and decode after a store that searches a scale per key
 (``searched``) and, at 3 bits, the emulator's codes of coordinate pairs
 (``pairs``: 64 points, ``k3p2_nc``; ``pairs16``: 16 points and two signs,
-``k3p2m_nc``). Fits read a calibration prompt of random ids; errors are measured
+``k3p2m_nc``; ``pairs_searched``: ``pairs`` after the same search). Fits read
+a calibration prompt of random ids; errors are measured
 on a window of the quality corpus that the fits did not see (its first key,
 the attention sink 0027 treats apart, left out). Printed per layer: the
 relative key error ``|k_hat - k|^2 / |k - mu|^2``, the std of the logit
@@ -45,7 +46,7 @@ import torch
 
 from tests.models.real_weights import emulate_kv_quant as emu
 
-PAIR_CODES = ("pairs", "pairs16")
+PAIR_CODES = ("pairs", "pairs16", "pairs_searched")
 CODES = ("product", "fitted", "scaled", "both", "searched", *PAIR_CODES)
 
 
@@ -113,6 +114,9 @@ def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
     if len(start) == 8:
         codes["pairs"] = functools.partial(code_pairs, mirrored=False)
         codes["pairs16"] = functools.partial(code_pairs, mirrored=True)
+        codes["pairs_searched"] = functools.partial(
+            emu.nearest_direction, code=codes["pairs"]
+        )
     return codes
 
 
