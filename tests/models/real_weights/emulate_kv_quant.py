@@ -224,24 +224,22 @@ def nearest_direction(u: torch.Tensor, code) -> torch.Tensor:
     return best
 
 
-def quant_unit_searched(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Rotated unit vectors ``u`` [..., D] -> renormalized scalar codes (levels
-    ``c``) of ``u`` at the nearest direction's scale."""
-    mids = (c[:-1] + c[1:]) / 2
-
-    def coded(v):
-        y = c[torch.bucketize(v, mids, right=True)]
-        return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
-
-    return nearest_direction(u, coded)
-
-
-def _unit_pairs(u: torch.Tensor) -> torch.Tensor:
-    y = quant_keys_pairs(u)
+def unit_scalar(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Rotated unit vectors ``u`` [..., D] -> each coordinate's level of ``c``
+    (sorted; the store's bucket: the midpoints at or below it), renormalized."""
+    y = c[torch.bucketize(u, (c[:-1] + c[1:]) / 2, right=True)]
     return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
 
 
-UNIT_SEARCHED = (SEARCHED_KEY_BITS, SEARCHED_PAIR_KEY_BITS)
+def unit_pairs(u: torch.Tensor, mirrored: bool = False) -> torch.Tensor:
+    """``quant_keys_pairs``, renormalized."""
+    y = quant_keys_pairs(u, mirrored)
+    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
+
+
+def quant_unit_searched(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``unit_scalar`` at the nearest direction's scale."""
+    return nearest_direction(u, functools.partial(unit_scalar, c=c))
 
 
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
@@ -261,13 +259,14 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        if bits in (*UNIT_SEARCHED, PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
+        searched = (SEARCHED_KEY_BITS, SEARCHED_PAIR_KEY_BITS)
+        if bits in (*searched, PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
             norm = x.norm(dim=-1)
             u = (x / (norm[..., None] + 1e-8)) @ _hadamard(d).double()
             if bits == SEARCHED_KEY_BITS:
                 y = quant_unit_searched(u, _centroids(d, 3)[0])
             elif bits == SEARCHED_PAIR_KEY_BITS:
-                y = nearest_direction(u, _unit_pairs)
+                y = nearest_direction(u, unit_pairs)
             else:
                 y = quant_keys_pairs(u, bits == MIRRORED_PAIR_KEY_BITS)
         else:

@@ -29,7 +29,7 @@ error ``scale * q . (k_hat - k)`` over real queries, the rotated coordinates'
 RMS spread (max / min over coordinates, 1 for equal spread) and their
 kurtosis (3 for a Gaussian).
 
-Cost (2 CPU cores): SmolLM2-135M ~30 s, Gemma-3-270M ~20 s.
+Cost (2 CPU cores): SmolLM2-135M ~35 s, Gemma-3-270M ~30 s.
 
     CUDA_VISIBLE_DEVICES= .venv/bin/python \\
         -m tests.models.real_weights.key_code_bound --model smollm2_135m --bits 3
@@ -64,26 +64,12 @@ def lloyd_max(samples: torch.Tensor, start: torch.Tensor, iters: int = 30):
     return c.sort().values
 
 
-def code_unit(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """Rotated unit vectors ``u`` [..., D] coded coordinate-wise with
-    ``codebook`` and renormalized (norm correction)."""
-    y = codebook[torch.bucketize(u, (codebook[:-1] + codebook[1:]) / 2)]
-    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
-
-
 def code_scaled(u: torch.Tensor, codebook, coord_scale) -> torch.Tensor:
     """``u``'s coordinates divided by ``coord_scale`` ([Hk, 1, D]) before the
     code and multiplied after (a query times it scores the same)."""
     z = u / coord_scale
-    y = code_unit(z / z.norm(dim=-1, keepdim=True), codebook) * coord_scale
+    y = emu.unit_scalar(z / z.norm(dim=-1, keepdim=True), codebook) * coord_scale
     return y / y.norm(dim=-1, keepdim=True)
-
-
-def code_pairs(u: torch.Tensor, mirrored: bool) -> torch.Tensor:
-    """``u``'s coordinate pairs coded with the emulator's pair codebooks
-    (``k3p2_nc``; ``mirrored``: ``k3p2m_nc``), renormalized."""
-    y = emu.quant_keys_pairs(u, mirrored)
-    return y / y.norm(dim=-1, keepdim=True).clamp_min(1e-16)
 
 
 def coded_keys(k, mu, h, code) -> torch.Tensor:
@@ -103,8 +89,8 @@ def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
     scale = u.pow(2).mean(-2, keepdim=True).sqrt() * math.sqrt(d)
     fitted = lloyd_max(u, start)
     codes = {
-        "product": functools.partial(code_unit, codebook=start),
-        "fitted": functools.partial(code_unit, codebook=fitted),
+        "product": functools.partial(emu.unit_scalar, c=start),
+        "fitted": functools.partial(emu.unit_scalar, c=fitted),
         "scaled": functools.partial(code_scaled, codebook=start, coord_scale=scale),
         "both": functools.partial(
             code_scaled, codebook=lloyd_max(u / scale, start), coord_scale=scale
@@ -112,10 +98,10 @@ def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
         "searched": functools.partial(emu.quant_unit_searched, c=start),
     }
     if len(start) == 8:
-        codes["pairs"] = functools.partial(code_pairs, mirrored=False)
-        codes["pairs16"] = functools.partial(code_pairs, mirrored=True)
+        codes["pairs"] = emu.unit_pairs
+        codes["pairs16"] = functools.partial(emu.unit_pairs, mirrored=True)
         codes["pairs_searched"] = functools.partial(
-            emu.nearest_direction, code=codes["pairs"]
+            emu.nearest_direction, code=emu.unit_pairs
         )
     return codes
 

@@ -29,7 +29,7 @@ def test_the_product_code_is_the_emulators():
     k = _keys(torch.ones(D, dtype=torch.float64), 64, 0) * 7.0
     h = emu.hadamard(D)
     start, _ = emu._centroids(D, 3)
-    product = functools.partial(kcb.code_unit, codebook=start)
+    product = functools.partial(emu.unit_scalar, c=start)
     mine = kcb.coded_keys(k, torch.zeros(1, 1, D), h, product)
     # The emulator rounds the norm to fp16 as the slot does.
     assert torch.allclose(mine, emu.quant_keys_mse(k, 3, True), rtol=2e-3, atol=1e-3)
