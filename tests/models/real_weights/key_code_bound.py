@@ -72,18 +72,19 @@ def code_scaled(u: torch.Tensor, codebook, coord_scale) -> torch.Tensor:
     return y / y.norm(dim=-1, keepdim=True)
 
 
-def coded_keys(k, mu, h, code) -> torch.Tensor:
-    """Keys [Hk, T, D] minus ``mu``, rotated by ``h``, coded by ``code``
-    (rotated unit vectors -> coded unit vectors), and back."""
-    x = k.double() - mu
+def coded_keys(k, mu, h, code, key_scale=1.0) -> torch.Tensor:
+    """Keys [Hk, T, D] minus ``mu`` and divided by ``key_scale`` (0024's
+    per-channel scale, as the store divides them), rotated by ``h``, coded by
+    ``code`` (rotated unit vectors -> coded unit vectors), and back."""
+    x = (k.double() - mu) / key_scale
     norm = x.norm(dim=-1, keepdim=True)
-    return (code((x / norm) @ h) @ h.T) * norm + mu
+    return (code((x / norm) @ h) @ h.T) * norm * key_scale + mu
 
 
-def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
+def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start, key_scale=1.0):
     """``CODES``, fitted to ``k_calib`` where they fit anything; the pair
     codes only where ``start`` is the 3-bit codebook they spend the bits of."""
-    x = k_calib.double() - mu
+    x = (k_calib.double() - mu) / key_scale
     u = (x / x.norm(dim=-1, keepdim=True)) @ h
     d = u.shape[-1]
     scale = u.pow(2).mean(-2, keepdim=True).sqrt() * math.sqrt(d)
@@ -106,22 +107,23 @@ def fit_codes(k_calib: torch.Tensor, mu: torch.Tensor, h, start) -> dict:
     return codes
 
 
-def layer_errors(q, k, scaling, mu, codes, h) -> dict:
+def layer_errors(q, k, scaling, mu, codes, h, key_scale=1.0) -> dict:
     """Per code: relative key error and logit-error std on ``k`` [Hk, T, D]
-    with queries ``q`` [Hq, T, D]; plus the coordinates' spread and kurtosis."""
+    with queries ``q`` [Hq, T, D]; plus the coded coordinates' spread and
+    kurtosis."""
     kd = k.double()
     rep = q.shape[0] // k.shape[0]
     qs = q.double()[:, ::16]
     out = {}
     for name, code in codes.items():
-        err = coded_keys(k, mu, h, code) - kd
+        err = coded_keys(k, mu, h, code, key_scale) - kd
         rel = err.pow(2).sum(-1) / (kd - mu).pow(2).sum(-1)
         logit = torch.einsum("hsd,htd->hst", qs, err.repeat_interleave(rep, 0))
         out[name] = {
             "rel_err": rel.mean().item(),
             "logit_err_std": (logit * scaling).std().item(),
         }
-    x = kd - mu
+    x = (kd - mu) / key_scale
     u = (x / x.norm(dim=-1, keepdim=True)) @ h * math.sqrt(k.shape[-1])
     rms = u.pow(2).mean(-2).sqrt()
     out["coord_rms_max_over_min"] = (rms.amax(-1) / rms.amin(-1)).max().item()
@@ -135,6 +137,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, choices=[2, 3, 4], default=3)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=2000)
+    ap.add_argument(
+        "--key-scale",
+        action="store_true",
+        help="divide the keys by 0024's per-channel key scale before every code "
+        "and multiply after, as the product's store and decode do",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
     h = emu.hadamard(d)
     start, _ = emu._centroids(d, args.bits)
     print(f"model {path.name}, {args.bits}-bit keys, head_dim {d}; fitted on "
-          f"{len(ids)} {source}; measured on {args.window} corpus tokens")  # fmt: skip
+          f"{len(ids)} {source}; measured on {args.window} corpus tokens"
+          + ("; keys divided by the key scale" if args.key_scale else ""))  # fmt: skip
     names = [c for c in CODES if args.bits == 3 or c not in PAIR_CODES]
     print("layer  rel. key error (" + " ".join(names) + ")   logit error std "
           "(same)   coord RMS max/min  kurtosis")  # fmt: skip
@@ -162,8 +171,11 @@ def main(argv=None) -> int:
         k_calib = calib[li][1]
         q, k, _, scaling = evaluated[li]
         mu = k_calib.double().mean(-2, keepdim=True)
-        codes = fit_codes(k_calib[:, 1:], mu, h, start)
-        res = layer_errors(q, k[:, 1:], scaling, mu, codes, h)
+        s = 1.0
+        if args.key_scale:
+            s = emu._key_scale(lm.model.layers[li].self_attn, d).double()
+        codes = fit_codes(k_calib[:, 1:], mu, h, start, s)
+        res = layer_errors(q, k[:, 1:], scaling, mu, codes, h, s)
         layers[li] = res
         rel = " ".join(f"{res[c]['rel_err']:.4f}" for c in names)
         logit = " ".join(f"{res[c]['logit_err_std']:.3f}" for c in names)

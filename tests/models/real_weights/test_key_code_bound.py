@@ -90,3 +90,16 @@ def test_pair_codes_and_a_searching_store_code_random_directions_closer():
     # Lower key error is lower logit error for the same queries.
     for code in ("pairs", "pairs16", "searched", "pairs_searched"):
         assert res[code]["logit_err_std"] < res["product"]["logit_err_std"]
+
+
+def test_the_key_scale_is_undone_around_every_code():
+    """``--key-scale``: keys divided by 0024's per-channel scale before the
+    code and multiplied after, as the product stores and reads them."""
+    h = emu.hadamard(D)
+    start, _ = emu._centroids(D, 3)
+    mu = torch.zeros(1, 1, D, dtype=torch.float64)
+    k = _keys(torch.ones(D, dtype=torch.float64), 256, 4)
+    s = torch.linspace(0.5, 30.0, D, dtype=torch.float64)
+    for name, code in kcb.fit_codes(k, mu, h, start).items():
+        scaled = kcb.coded_keys(k * s, mu, h, code, key_scale=s)
+        assert torch.allclose(scaled, kcb.coded_keys(k, mu, h, code) * s), name
