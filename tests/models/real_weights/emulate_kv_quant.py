@@ -242,13 +242,21 @@ def quant_unit_searched(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return nearest_direction(u, functools.partial(unit_scalar, c=c))
 
 
+# Key-bits codes that code the rotated unit vector: the code for each.
+UNIT_CODES = {
+    PAIR_KEY_BITS: quant_keys_pairs,
+    MIRRORED_PAIR_KEY_BITS: functools.partial(quant_keys_pairs, mirrored=True),
+    SEARCHED_KEY_BITS: lambda u: quant_unit_searched(u, _centroids(u.shape[-1], 3)[0]),
+    SEARCHED_PAIR_KEY_BITS: functools.partial(nearest_direction, code=unit_pairs),
+}
+
+
 def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Tensor:
     """[..., D] keys -> dequantized keys (float64), as store + decode do
     (``QJL_KEY_BITS``: ``quant_keys_prod``; the pair codes'
     ``PAIR_KEY_BITS`` and ``MIRRORED_PAIR_KEY_BITS``: ``quant_keys_pairs``;
-    ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach;
-    ``SEARCHED_KEY_BITS``: ``quant_unit_searched``; ``SEARCHED_PAIR_KEY_BITS``:
-    the pair code through ``nearest_direction``)."""
+    ``WIDE_KEY_BITS``: 3-bit scalar codes of a wider reach; the searched
+    codes: ``UNIT_CODES``)."""
     from tests.kernels.attention.test_turboquant_store_fused import (
         _hadamard,
         _reference,
@@ -259,16 +267,9 @@ def quant_keys_mse(k: torch.Tensor, bits: int, nc: bool, signs=None) -> torch.Te
         out = quant_keys_prod(x, nc)
     else:
         d = k.shape[-1]
-        searched = (SEARCHED_KEY_BITS, SEARCHED_PAIR_KEY_BITS)
-        if bits in (*searched, PAIR_KEY_BITS, MIRRORED_PAIR_KEY_BITS):
+        if bits in UNIT_CODES:
             norm = x.norm(dim=-1)
-            u = (x / (norm[..., None] + 1e-8)) @ _hadamard(d).double()
-            if bits == SEARCHED_KEY_BITS:
-                y = quant_unit_searched(u, _centroids(d, 3)[0])
-            elif bits == SEARCHED_PAIR_KEY_BITS:
-                y = nearest_direction(u, unit_pairs)
-            else:
-                y = quant_keys_pairs(u, bits == MIRRORED_PAIR_KEY_BITS)
+            y = UNIT_CODES[bits]((x / (norm[..., None] + 1e-8)) @ _hadamard(d).double())
         else:
             if bits in WIDE_KEY_BITS:
                 c, mids = _wide_centroids(d, WIDE_KEY_BITS[bits])

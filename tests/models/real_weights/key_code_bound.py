@@ -46,8 +46,8 @@ import torch
 
 from tests.models.real_weights import emulate_kv_quant as emu
 
-PAIR_CODES = ("pairs", "pairs16", "pairs_searched")
-CODES = ("product", "fitted", "scaled", "both", "searched", *PAIR_CODES)
+CODES = ("product", "fitted", "scaled", "both", "searched")
+CODES += ("pairs", "pairs16", "pairs_searched")  # 3-bit only: see fit_codes
 
 
 def lloyd_max(samples: torch.Tensor, start: torch.Tensor, iters: int = 30):
@@ -163,9 +163,6 @@ def main(argv=None) -> int:
     print(f"model {path.name}, {args.bits}-bit keys, head_dim {d}; fitted on "
           f"{len(ids)} {source}; measured on {args.window} corpus tokens"
           + ("; keys divided by the key scale" if args.key_scale else ""))  # fmt: skip
-    names = [c for c in CODES if args.bits == 3 or c not in PAIR_CODES]
-    print("layer  rel. key error (" + " ".join(names) + ")   logit error std "
-          "(same)   coord RMS max/min  kurtosis")  # fmt: skip
     layers = {}
     for li in sorted(calib):
         k_calib = calib[li][1]
@@ -175,6 +172,10 @@ def main(argv=None) -> int:
         if args.key_scale:
             s = emu._key_scale(lm.model.layers[li].self_attn, d).double()
         codes = fit_codes(k_calib[:, 1:], mu, h, start, s)
+        if not layers:
+            names = [c for c in CODES if c in codes]
+            print("layer  rel. key error (" + " ".join(names) + ")   logit error std "
+                  "(same)   coord RMS max/min  kurtosis")  # fmt: skip
         res = layer_errors(q, k[:, 1:], scaling, mu, codes, h, s)
         layers[li] = res
         rel = " ".join(f"{res[c]['rel_err']:.4f}" for c in names)
