@@ -23,7 +23,9 @@ attention layers at bf16 on these all-attention models, and Gemma 3's
 sliding-window layers stay bf16 either way). ``--skip`` narrows the
 TurboQuant cells only; auto and fp8 run once. 20 cells for both models.
 ``--kv`` also takes vLLM's ``int8_per_token_head`` and ``fp8_per_token_head``
-(every layer in that cache, run once like fp8), never run by default.
+(every layer in that cache, run once like fp8) and
+``turboquant_3bit_pair_nc`` (skip settings as the other presets), never run
+by default.
 ``--skip`` also takes a skip list of its own, comma-separated, as one more
 setting (``boundary:0,11=turboquant_4bit_nc``: layer 11 stores its own
 preset).
@@ -127,9 +129,14 @@ KV_DTYPES = (
     "turboquant_k3v4_nc",
     "turboquant_3bit_nc",
 )
-# vLLM's per-token-head 8-bit caches run only when --kv names them: the
-# default table stays the one every release is compared on.
-OPT_IN_KV_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
+# vLLM's per-token-head 8-bit caches and hybridkv's pair-coded 3-bit keys
+# run only when --kv names them: the default table stays the one every
+# release is compared on.
+OPT_IN_KV_DTYPES = (
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "turboquant_3bit_pair_nc",
+)
 ALL_KV_DTYPES = KV_DTYPES + OPT_IN_KV_DTYPES
 # Skip-layer settings: label -> kv_cache_dtype_skip_layers (None: not passed).
 # --skip also takes a list of its own, comma-separated, as its label (e.g.

@@ -465,6 +465,17 @@ def test_per_token_head_cells_only_when_named(bench):
     default = bench.parse_args([]).kv
     assert "int8_per_token_head" not in default
     assert "fp8_per_token_head" not in default
+    assert "turboquant_3bit_pair_nc" not in default
+
+
+def test_the_pair_preset_takes_skip_settings_when_named(bench):
+    args = bench.parse_args(["--kv", "auto", "turboquant_3bit_pair_nc"])
+    cells = bench.plan_cells(["smollm2_135m"], args.kv, args.skip)
+    assert [(c.kv, c.skip) for c in cells] == [
+        ("auto", "default"),
+        ("turboquant_3bit_pair_nc", "default"),
+        ("turboquant_3bit_pair_nc", "boundary:0"),
+    ]
 
 
 def test_cells_twenty_for_two_models_auto_first(bench):

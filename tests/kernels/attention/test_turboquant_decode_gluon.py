@@ -48,6 +48,7 @@ from vllm.model_executor.layers.quantization.turboquant.config import (
 from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 from vllm.v1.attention.ops import turboquant_decode as tq_decode
 from vllm.v1.attention.ops import turboquant_device
+from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
 
 pytest.importorskip("triton.experimental.gluon")
 gluon_decode = importlib.import_module("vllm.v1.attention.ops.gluon_turboquant_decode")
@@ -737,6 +738,7 @@ def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
     assert "the Triton stage 1 serves them" in caplog_vllm.text
     assert gluon_decode.key_table(c[:8].clone()) is None  # 8, not symmetric
     assert gluon_decode.key_table(c[:4].clone()) is None  # 4
+    assert gluon_decode.key_table(pair_codebook(128)) is None  # a pair code's points
     assert gluon_decode.key_table(c.clone()) is not None
 
 

@@ -116,6 +116,45 @@ def test_decode_hadamard_query(triton_device, preset, head_dim):
     check_decode(triton_device, preset, head_dim, 4, SEQ_LENS, hadamard=True)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "gqa", "splits", "pad_bytes"),
+    [
+        (64, 6, None, 0),
+        (128, 4, 1, 97),
+        (128, 1, 3, 0),
+        (256, 8, 2, 0),
+        (512, 2, 2, 96),
+    ],
+)
+def test_decode_pair_code(triton_device, head_dim, gqa, splits, pad_bytes):
+    """3-bit keys coded by pairs (a pair codebook as the centroids): each
+    pair of fields is one of 64 points, at every head size and split path."""
+    check_decode(
+        triton_device, "turboquant_3bit_nc", head_dim, gqa, SEQ_LENS, splits=splits,
+        pad_bytes=pad_bytes, hadamard=True, pairs=True,
+    )  # fmt: skip
+
+
+def test_the_legacy_decode_refuses_pair_codes(triton_device, monkeypatch):
+    """0.20.2's kernel reads every field as a level: refused, with the way out."""
+    cfg, centroids, pit, cache, table = packed_case(
+        "turboquant_3bit_nc", 64, [5], 1, triton_device, pairs=True
+    )
+    # The variable, not the module attribute: a pytest that restores a module
+    # attribute it set leaves one that shadows vllm.envs' lookup for the
+    # tests after this one.
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "legacy")
+    with pytest.raises(
+        ValueError,
+        match="coded by pairs.*Unset VLLM_TURBOQUANT_DECODE=legacy.*3bit_nc",
+    ):
+        tq_decode.maybe_decode_attention(
+            torch.randn(1, 2, 64).to(triton_device), cache, table,
+            torch.tensor([5], dtype=torch.int32, device=triton_device), pit.T,
+            centroids, 0.125, 3, cfg.key_packed_size, 3, norm_correction=True,
+        )  # fmt: skip
+
+
 def test_only_the_backends_own_matrix_counts_as_hadamard():
     h = _build_hadamard(64, "cpu")
     assert hadamard.is_backend_hadamard(h)

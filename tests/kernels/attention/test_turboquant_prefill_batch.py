@@ -187,6 +187,7 @@ def _run(
     query_scale=None,
     key_offset=None,
     shared=None,
+    codebook=None,
 ):
     """One step (by default a mixed one) through the builder and forward;
     returns the inputs and the output [tokens, HQ, D]. ``dtype``: the
@@ -195,13 +196,16 @@ def _run(
     ``key_scale`` is the layer's (``_tq_key_scale``), ``key_offset`` its
     ``_tq_key_offset``; the query is multiplied by ``query_scale``.
     ``shared=(tokens, rows)``: those requests hold one prefix of ``tokens``
-    tokens on the same pages, as prefix-cache hits do."""
+    tokens on the same pages, as prefix-cache hits do. ``codebook``: the
+    layer's ``_tq_centroids`` (default: the preset's levels)."""
     torch.manual_seed(0)
     with set_current_vllm_config(VllmConfig()):
         impl = TurboQuantAttentionImpl(HQ, D, D**-0.5, HK, kv_cache_dtype=preset)
     cfg = impl.tq_config
     layer = torch.nn.Module()
-    layer._tq_centroids = get_centroids(D, cfg.centroid_bits).to(device)
+    if codebook is None:
+        codebook = get_centroids(D, cfg.centroid_bits)
+    layer._tq_centroids = codebook.to(device)
     if key_scale is not None:
         layer._tq_key_scale = key_scale.to(device)
     if key_offset is not None:

@@ -13,7 +13,8 @@ Keys and values are strided views of one ``qkv`` row, the cache has padded
 pages of an odd size, and some slots are -1. Runs under the Triton CPU
 interpreter (``HYBRIDKV_TRITON_INTERPRET=1``, fp32) and natively on a GPU
 (bf16 inputs there too). FP8 keys (k8v4): the strided kernel's bytes equal
-0.20.2's exactly.
+0.20.2's exactly. A pair codebook (``turboquant_pair_code``): each pair of
+rotated coordinates is its float64 nearest point but near a tie.
 """
 
 import math
@@ -29,6 +30,7 @@ from vllm.v1.attention.ops.triton_turboquant_store_fused import (
     turboquant_store,
     turboquant_store_hadamard,
 )
+from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
 
 MSE_PRESETS = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
 BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS, NUM_Q_HEADS, NUM_KV_HEADS = 16, 3, 24, 4, 2
@@ -216,3 +218,71 @@ def test_fp8_keys_from_strided_views_equal_0202_bytes(head_dim, triton_device):
     (old, _, real, page), (new, _, _, _) = out["old"], out["new"]
     assert torch.equal(new, old)
     assert (old.view(NUM_BLOCKS, page)[:, :real] != SENTINEL).any()
+
+
+def _pair_reference(k: torch.Tensor, points: torch.Tensor):
+    """float64: each pair of rotated coordinates' nearest point, and by how
+    much (squared distance) the second nearest is farther."""
+    k64 = k.double().cpu()
+    unit = k64 / (k64.norm(dim=-1, keepdim=True) + 1e-8)
+    y = unit @ _hadamard(k.shape[-1]).double()
+    pairs = y.reshape(*y.shape[:-1], -1, 1, 2)
+    dist = ((pairs - points.double().cpu()) ** 2).sum(-1)
+    two = dist.topk(2, dim=-1, largest=False)
+    return two.indices[..., 0], two.values[..., 1] - two.values[..., 0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pair_code_stores_each_pair_s_nearest_point(head_dim, triton_device):
+    """A pair codebook: each pair of rotated coordinates is stored as its
+    nearest point's two 3-bit fields (low at the first coordinate); the norm
+    and the values are the scalar code's bytes."""
+    device = triton_device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_3bit_nc", head_dim)
+    k, v = _qkv(head_dim, dtype, device, seed=11)
+    slots = _slots(device, seed=11)
+    keep = slots.cpu() >= 0
+    points = pair_codebook(head_dim).to(device)
+    centroids, _ = get_centroids(head_dim, 3).float().sort()
+    rows, idx = {}, {}
+    for name, table in (
+        ("pairs", points),
+        ("scalar", ((centroids[:-1] + centroids[1:]) / 2).to(device)),
+    ):
+        flat, cache, real, page = _padded_cache(cfg.slot_size_aligned, device, pad=37)
+        turboquant_store(
+            k, v, cache, slots, _hadamard(head_dim).to(device), table,
+            **store_kwargs(cfg),
+        )  # fmt: skip
+        assert (flat.cpu().view(NUM_BLOCKS, page)[:, real:] == SENTINEL).all()
+        _, rows[name], idx[name], _ = _stored(flat, cache, slots, head_dim, cfg)
+    code = idx["pairs"][..., 0::2] + 8 * idx["pairs"][..., 1::2]
+    ref, margin = _pair_reference(k[keep.to(k.device)], points)
+    wrong = code != ref
+    assert not (wrong & (margin > NEAR)).any(), (
+        f"{int((wrong & (margin > NEAR)).sum())} of {code.numel()} pairs are not "
+        "their nearest point"
+    )
+    assert int(wrong.sum()) <= max(2, code.numel() // 500)
+    # Not the scalar code's indices, but its norm and value bytes.
+    mse = cfg.key_packed_size - 2
+    assert not torch.equal(rows["pairs"][..., :mse], rows["scalar"][..., :mse])
+    assert torch.equal(rows["pairs"][..., mse:], rows["scalar"][..., mse:])
+
+
+def test_a_pair_codebook_needs_the_fused_store():
+    k = torch.zeros(1, 1, 96)
+    with pytest.raises(ValueError, match="a pair codebook needs the fused MSE store"):
+        turboquant_store(
+            k, k, torch.zeros(1, 16, 1, 78, dtype=torch.uint8), torch.zeros(1),
+            torch.eye(96), pair_codebook(96), mse_bits=3, key_packed_size=38,
+            value_quant_bits=3,
+        )  # fmt: skip
+    k = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError, match="contiguous \\[64, 2\\] float32"):
+        turboquant_store(
+            k, k, torch.zeros(1, 16, 1, 70, dtype=torch.uint8), torch.zeros(1),
+            _hadamard(64), pair_codebook(64), mse_bits=4, key_packed_size=34,
+            value_quant_bits=4,
+        )  # fmt: skip

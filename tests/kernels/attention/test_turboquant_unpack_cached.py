@@ -21,6 +21,7 @@ from vllm.v1.attention.backends.turboquant_prefill_batch import (
 )
 from vllm.v1.attention.ops.triton_turboquant_store_fused import turboquant_store
 from vllm.v1.attention.ops.triton_turboquant_unpack_cached import unpack_cached
+from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
 
 HK = 2
 CACHED = 37  # two whole pages and a part
@@ -37,7 +38,8 @@ CASES = [
 HEAD_DIMS = [64, *(pytest.param(d, marks=pytest.mark.gpu) for d in (128, 256, 512))]
 
 
-def _case(preset, scaled, offset, rotated, device, D, page=PAGE):
+def _case(preset, scaled, offset, rotated, device, D, page=PAGE, pairs=False):
+    """``pairs``: keys coded by ``pair_codebook`` instead of the levels."""
     cfg = TurboQuantConfig.from_cache_dtype(preset, D)
     g = torch.Generator().manual_seed(7)
     blocks = -(-CACHED // page) + 2
@@ -61,20 +63,21 @@ def _case(preset, scaled, offset, rotated, device, D, page=PAGE):
             positions=torch.arange(n, device=device) % 5 if offset else None,
             value_rotation=rotated,
         )
+    table = pair_codebook(D) if pairs else (c[:-1] + c[1:]) / 2
     turboquant_store(
-        k, v, cache, torch.arange(n, device=device), pit,
-        ((c[:-1] + c[1:]) / 2).to(device), **store_kwargs(cfg), **extra,
+        k, v, cache, torch.arange(n, device=device), pit, table.to(device),
+        **store_kwargs(cfg), **extra,
     )  # fmt: skip
     # Pages out of order, page 0 unused (vLLM's null block).
     table = torch.tensor([[3, 1, 2, 0]][:1], dtype=torch.int32)[:, : -(-CACHED // page)]
     return cfg, cache, table.to(device), pit, scale, mu
 
 
-def _reference(cfg, cache, table, pit, scale, mu, rotated, D):
+def _reference(cfg, cache, table, pit, scale, mu, rotated, D, pairs=False):
     """Float64 K/V of the first CACHED tokens, from the packed bytes."""
     pos = torch.arange(CACHED)
     slots = cache.cpu()[table[0, pos // PAGE].long().cpu(), pos % PAGE]
-    c = get_centroids(D, cfg.centroid_bits).double()
+    c = pair_codebook(D) if pairs else get_centroids(D, cfg.centroid_bits)
     k, v = dequantize(slots, cfg, c, D)  # k in the stored space, signed norm
     h = pit.cpu().double()
     if not cfg.key_fp8:
@@ -124,6 +127,35 @@ def test_cached_kv_is_the_model_s_kv(triton_device, preset, scaled, offset, rota
     )  # fmt: skip
     torch.testing.assert_close(k_out[:CACHED], k_old, rtol=2e-3, atol=4e-3)
     torch.testing.assert_close(v_out[:CACHED], v_old, rtol=2e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_cached_pair_coded_keys_are_the_model_s_keys(triton_device, D):
+    """Keys coded by pairs (``pair_codebook``), with 3bit_nc's key scale,
+    offset and rotated values; the per-pass path cannot read them."""
+    cfg, cache, table, pit, scale, mu = _case(
+        "turboquant_3bit_nc", True, True, True, triton_device, D, pairs=True
+    )
+    points = pair_codebook(D).to(triton_device)
+    row = aligned_block_row(table, 0)
+    k_out = torch.full((CACHED, HK, D), 7.0, device=triton_device)
+    v_out = torch.full_like(k_out, 7.0)
+    scale, mu = scale.to(triton_device), mu.to(triton_device)
+    unpack_cached(
+        cache, row, CACHED, points, pit, k_out, v_out, 3, 3, False, True,
+        key_scale=scale, key_offset=mu, value_rotation=True,
+    )  # fmt: skip
+    k_ref, v_ref = _reference(
+        cfg, cache, table, pit, scale.cpu(), mu.cpu(), True, D, pairs=True
+    )
+    for got, ref in ((k_out, k_ref), (v_out, v_ref)):
+        err = (got.double().cpu() - ref).abs().max() / ref.abs().max()
+        assert err < 2e-6, err
+    impl = type("Impl", (), {"head_size": D, "tq_config": cfg})()
+    with pytest.raises(ValueError, match="coded by pairs.*unpack_cached"):
+        _dequantize_cached(
+            impl, cache, row, CACHED, pit, points, torch.float32, scale, mu, True
+        )
 
 
 def test_a_head_size_it_cannot_rotate_is_refused(triton_device):

@@ -15,13 +15,20 @@ import torch
 from tests.kernels.attention.turboquant_store_args import store_kwargs
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import (
-    TQ_PRESETS,
     TurboQuantConfig,
 )
 from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 from vllm.v1.attention.ops import turboquant_decode as tq_decode
+from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
 
-PRESETS = list(TQ_PRESETS)
+# vLLM 0.20.2's presets, each a slot layout and key code of its own (the
+# pair code's preset has 3bit_nc's layout: ``pairs=True`` tests its code).
+PRESETS = [
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
 PAGE = 16
 # Relative to the largest output magnitude: fp32 rounding with room for the
 # GPU's split-TF32 dots; dropping one TF32 tail term exceeds it on a GPU.
@@ -34,6 +41,16 @@ def tables(cfg: TurboQuantConfig, head_dim: int, device: str):
     g = torch.Generator().manual_seed(head_dim)
     pit = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g))[0]
     return centroids.to(device), midpoints.to(device), pit.contiguous().to(device)
+
+
+def key_values(idx: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Float64 values of [..., D] key indices: their levels, or for a pair
+    codebook each pair's point (indices 2i and 2i + 1 its low and high 3 bits)."""
+    table = centroids.cpu().double()
+    if table.dim() == 1:
+        return table[idx]
+    points = table[idx[..., 0::2] + 8 * idx[..., 1::2]]
+    return points.flatten(-2)
 
 
 def pack_bits(idx: torch.Tensor, bits: int) -> torch.Tensor:
@@ -116,9 +133,9 @@ def dequantize(slots: torch.Tensor, cfg: TurboQuantConfig, centroids, dim: int):
         k = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).double()
     else:
         mse_bytes = math.ceil(dim * cfg.key_mse_bits / 8)
-        c = centroids.cpu().double()[
-            unpack_bits(slots[..., :mse_bytes], cfg.key_mse_bits, dim)
-        ]
+        c = key_values(
+            unpack_bits(slots[..., :mse_bytes], cfg.key_mse_bits, dim), centroids
+        )
         if cfg.norm_correction:
             c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
         k = fp16_values(slots[..., mse_bytes : mse_bytes + 2])[..., None] * c
@@ -160,10 +177,15 @@ def poisoned(shape, device, dtype=torch.float32):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def packed_case(preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes=0):
+def packed_case(
+    preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes=0, pairs=False
+):
+    """``pairs``: the keys' indices code pairs (``pair_codebook``)."""
     torch.manual_seed(1000 * head_dim + 7 * len(seq_lens) + PRESETS.index(preset))
     cfg = TurboQuantConfig.from_cache_dtype(preset, head_dim)
     centroids, _, pit = tables(cfg, head_dim, device)
+    if pairs:
+        centroids = pair_codebook(head_dim).to(device)
     cache, table, packed = packed_cache(
         cfg, seq_lens, num_kv_heads, head_dim, device, pad_bytes
     )
@@ -173,7 +195,7 @@ def packed_case(preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes=0):
     if cfg.key_fp8:
         assert torch.equal(k_ref, k_idx)
     else:
-        c = centroids.cpu().double()[k_idx]
+        c = key_values(k_idx, centroids)
         if cfg.norm_correction:
             c = c / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16)
         assert torch.equal(k_ref, norms.half().double()[..., None] * c)
@@ -240,9 +262,10 @@ def check_decode(
     table=None,
     hadamard=False,
     edit=None,
+    pairs=False,
 ):
     cfg, centroids, pit, cache, own_table = packed_case(
-        preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes
+        preset, head_dim, seq_lens, num_kv_heads, device, pad_bytes, pairs
     )
     if edit is not None:  # edit(cfg, cache, block_table): rewrite packed fields
         edit(cfg, cache, own_table)

@@ -173,17 +173,19 @@ def quant_keys_prod(k: torch.Tensor, nc: bool) -> torch.Tensor:
 
 @functools.cache
 def _pair_codebook(d: int, mirrored: bool = False) -> torch.Tensor:
-    """[64, 2] points for pairs of a rotated unit key's coordinates: Lloyd's
-    algorithm on seeded pairs of independent N(0, 1/d) coordinates (what the
-    rotation makes them, nearly), started from the 3-bit centroids' 8 x 8
-    grid, so its mean squared error is at most that grid's. ``mirrored``:
-    [16, 2] points fitted to the pairs' magnitudes from the grid's positive
-    quadrant, to be mirrored by the pair's signs."""
+    """[64, 2] points for pairs of a rotated unit key's coordinates: the
+    product's (``turboquant_3bit_pair_nc``'s ``pair_codebook``). ``mirrored``:
+    [16, 2] points fitted by Lloyd's algorithm to the magnitudes of seeded
+    pairs of independent N(0, 1/d) coordinates, from the 3-bit centroids'
+    positive quadrant, to be mirrored by the pair's signs."""
+    if not mirrored:
+        from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
+
+        return pair_codebook(d).double()
     g = torch.Generator().manual_seed(977 + d)
     x = torch.randn(200_000, 2, generator=g, dtype=torch.float64) / math.sqrt(d)
     c, _ = _centroids(d, 3)
-    if mirrored:
-        x, c = x.abs(), c[c > 0]
+    x, c = x.abs(), c[c > 0]
     points = torch.cartesian_prod(c, c)
     for _ in range(40):
         nearest = torch.cdist(x, points).argmin(1)

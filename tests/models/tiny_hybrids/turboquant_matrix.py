@@ -67,6 +67,7 @@ AGREE_MIN = {
     "turboquant_4bit_nc": 0.8,
     "turboquant_k3v4_nc": 0.6,
     "turboquant_3bit_nc": 0.4,
+    "turboquant_3bit_pair_nc": 0.4,
 }
 MIN_DISTINCT = 16
 MODELS = ("qwen3_5", "qwen3_next")
@@ -168,6 +169,12 @@ def configs() -> list[Config]:
         ),
         Config("qwen3_next", "auto", "draft"),
         Config("qwen3_next", "turboquant_4bit_nc", "draft"),
+        # 3bit_nc's bytes with keys coded by pairs: its own decode path,
+        # verify rows included.
+        *(
+            Config("qwen3_5", "turboquant_3bit_pair_nc", spec)
+            for spec in ("none", "mtp")
+        ),
     ]
     return grid + padded
 

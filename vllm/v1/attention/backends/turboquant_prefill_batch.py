@@ -44,6 +44,7 @@ from vllm.v1.attention.ops.turboquant_hadamard import (
     is_backend_hadamard,
     rotates_in_registers,
 )
+from vllm.v1.attention.ops.turboquant_pair_code import is_pair_codebook
 from vllm.v1.attention.ops.turboquant_prefill import sdpa_prefill
 from vllm.v1.attention.ops.turboquant_slot_layout import config_slot_layout
 
@@ -224,6 +225,12 @@ def _dequantize_cached(
     """
     Hk, D = kv_cache.shape[2], impl.head_size
     cfg = impl.tq_config
+    if not cfg.key_fp8 and is_pair_codebook(centroids):
+        raise ValueError(
+            "this layer's keys are coded by pairs of coordinates, which 0.20.2's "
+            "dequantization reads as levels; unpack_cached reads them back (a "
+            "power-of-two head_dim and the backend's Hadamard rotation)"
+        )
     layout = config_slot_layout(cfg)
     k16 = torch.empty(cached, Hk, D, dtype=torch.float16, device=kv_cache.device)
     v16 = torch.empty_like(k16)

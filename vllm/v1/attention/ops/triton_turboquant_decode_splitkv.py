@@ -54,6 +54,11 @@ from vllm.v1.attention.ops.turboquant_device import (
     use_fp8_e4b15,
 )
 from vllm.v1.attention.ops.turboquant_hadamard import _hadamard_rows, _hadamard_tile
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    _pair_point_values_held,
+    check_pair_codebook,
+    is_pair_codebook,
+)
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     SlotLayout,
     stage1_strides,
@@ -217,6 +222,7 @@ def _score1(
     KEY_FP8: tl.constexpr,
     MSE_BITS: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    PAIR_CODE: tl.constexpr,
 ):
     """Key scores of dimensions D_OFF .. D_OFF + CH, packed in w0-w2."""
     BLOCK_N: tl.constexpr = w0.shape[0]
@@ -237,11 +243,14 @@ def _score1(
         raw = tl.dot(q2, tl.trans(kf), raw, input_precision="tf32")
     else:
         idx = _unpack(w0, w1, w2, MSE_BITS, CH, BLOCK_N)
-        # Centroids from a table gathered in-register/shared memory: a
-        # global gather per element costs a 64-bit address each.
-        NC: tl.constexpr = 1 << MSE_BITS
-        table = tl.load(Centroids_ptr + tl.arange(0, NC))
-        c = tl.gather(tl.broadcast_to(table[:, None], [NC, CH]), idx, 0)
+        if PAIR_CODE:
+            c = _pair_point_values_held(idx, Centroids_ptr)
+        else:
+            # Centroids from a table gathered in-register/shared memory: a
+            # global gather per element costs a 64-bit address each.
+            NC: tl.constexpr = 1 << MSE_BITS
+            table = tl.load(Centroids_ptr + tl.arange(0, NC))
+            c = tl.gather(tl.broadcast_to(table[:, None], [NC, CH]), idx, 0)
         c_hi = _tf32_head(c)
         raw = tl.dot(q2, tl.trans(c - c_hi), raw, input_precision="tf32")
         raw = tl.dot(q2, tl.trans(c_hi), raw, input_precision="tf32")
@@ -265,6 +274,7 @@ def _score2(
     KEY_FP8: tl.constexpr,
     MSE_BITS: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    PAIR_CODE: tl.constexpr,
 ):
     a0, b0 = _halves(w0)
     a1, b1 = _halves(w1)
@@ -285,6 +295,7 @@ def _score2(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
     return _score1(
         q_rows,
@@ -301,6 +312,7 @@ def _score2(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
 
 
@@ -320,6 +332,7 @@ def _score4(
     KEY_FP8: tl.constexpr,
     MSE_BITS: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    PAIR_CODE: tl.constexpr,
 ):
     a0, b0 = _halves(w0)
     a1, b1 = _halves(w1)
@@ -340,6 +353,7 @@ def _score4(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
     return _score2(
         q_rows,
@@ -356,6 +370,7 @@ def _score4(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
 
 
@@ -375,6 +390,7 @@ def _score8(
     KEY_FP8: tl.constexpr,
     MSE_BITS: tl.constexpr,
     FP8_E4B15: tl.constexpr,
+    PAIR_CODE: tl.constexpr,
 ):
     a0, b0 = _halves(w0)
     a1, b1 = _halves(w1)
@@ -395,6 +411,7 @@ def _score8(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
     return _score4(
         q_rows,
@@ -411,6 +428,7 @@ def _score8(
         KEY_FP8,
         MSE_BITS,
         FP8_E4B15,
+        PAIR_CODE,
     )
 
 
@@ -436,7 +454,7 @@ def _tq_decode_split_stage1(
     KV16_ptr,  # the same memory as int16 words (used when WORD16)
     Block_table_ptr,  # [B, max_blocks] int32
     Seq_lens_ptr,  # [B] int32
-    Centroids_ptr,  # [2**MSE_BITS] fp32
+    Centroids_ptr,  # [2**MSE_BITS] fp32, or [64, 2] (PAIR_CODE)
     Out_ptr,  # [B, Hq, D] query dtype, written when not SPLIT
     Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32, when SPLIT or WINDOW
     QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
@@ -475,6 +493,9 @@ def _tq_decode_split_stage1(
     # One split and a raw window's partial result in split slot 1 of Mid
     # (``triton_turboquant_raw_window``): weighed in here, not by a merge.
     WINDOW: tl.constexpr,
+    # MSE keys coded by pairs: Centroids_ptr holds [64, 2] points
+    # (``turboquant_pair_code``).
+    PAIR_CODE: tl.constexpr,
 ):
     # Splits last in the grid, as the Gluon stage 1's (see its launch).
     kv_head = tl.program_id(0)
@@ -587,6 +608,7 @@ def _tq_decode_split_stage1(
                 KEY_FP8,
                 MSE_BITS,
                 FP8_E4B15,
+                PAIR_CODE,
             )
         elif HEAD_DIM // KEY_CHUNK == 2:
             raw, c_sq = _score2(
@@ -604,6 +626,7 @@ def _tq_decode_split_stage1(
                 KEY_FP8,
                 MSE_BITS,
                 FP8_E4B15,
+                PAIR_CODE,
             )
         elif HEAD_DIM // KEY_CHUNK == 4:
             raw, c_sq = _score4(
@@ -621,6 +644,7 @@ def _tq_decode_split_stage1(
                 KEY_FP8,
                 MSE_BITS,
                 FP8_E4B15,
+                PAIR_CODE,
             )
         else:
             raw, c_sq = _score8(
@@ -638,6 +662,7 @@ def _tq_decode_split_stage1(
                 KEY_FP8,
                 MSE_BITS,
                 FP8_E4B15,
+                PAIR_CODE,
             )
         if KEY_FP8:
             tok = tl.full([BLOCK_N], 1.0, dtype=tl.float32) * qk_scale
@@ -825,6 +850,7 @@ def stage1_constexprs(
     word16: bool,
     key_offset: bool = False,
     window: bool = False,
+    pair_code: bool = False,
 ) -> dict[str, object]:
     """The compile-time arguments of ``_tq_decode_split_stage1`` for a slot
     layout, a page size, a GQA group and a launch geometry (see
@@ -850,6 +876,7 @@ def stage1_constexprs(
         WORD16=word16,
         KEY_OFFSET=key_offset,
         WINDOW=window and not split,
+        PAIR_CODE=pair_code,
     )
 
 
@@ -876,8 +903,13 @@ def stage1(
     ``qmu`` ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose
     keys were stored with an offset (``rotate_query_with_offset``).
     ``window``: ``mid``'s split slot ``num_splits`` holds a raw window's
-    partial result; with one split stage 1 weighs it into the output."""
+    partial result; with one split stage 1 weighs it into the output.
+    ``centroids``: the key levels, or a pair codebook
+    (``turboquant_pair_code``)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], layout.head_dim
+    pair_code = not layout.key_fp8 and is_pair_codebook(centroids)
+    if pair_code:
+        check_pair_codebook(centroids, layout.key_bits)
     device = q_in.device
     geometry = tuple(geometry or default_geometry(D, layout.key_fp8))
     num_warps, maxnreg = geometry[1], geometry[3]
@@ -910,6 +942,7 @@ def stage1(
             word16,
             qmu is not None,
             window,
+            pair_code,
         ),
         num_warps=num_warps,
         num_stages=1,

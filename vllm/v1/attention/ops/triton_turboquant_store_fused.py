@@ -47,6 +47,11 @@ from vllm.v1.attention.ops.turboquant_hadamard import (
     _hadamard_rows,
     rotates_in_registers,
 )
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    _nearest_pair_fields,
+    check_pair_codebook,
+    is_pair_codebook,
+)
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     check_cache_slots,
     check_key_offset,
@@ -62,7 +67,7 @@ def _tq_store_mse_hadamard(
     KeyScale_ptr,  # [D] fp32, keys are divided by it (HAS_KEY_SCALE)
     KeyOffset_ptr,  # [H, D] fp32, subtracted first where shorter (HAS_KEY_OFFSET)
     Positions_ptr,  # [N] token positions: only position 0 may go unshifted
-    Midpoints_ptr,
+    Midpoints_ptr,  # sorted level midpoints, or a pair code's [64, 2] points
     KV_cache_ptr,
     Slot_mapping_ptr,
     stride_kt,
@@ -87,6 +92,7 @@ def _tq_store_mse_hadamard(
     HAS_KEY_OFFSET: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     ROTATE_VALUE: tl.constexpr,  # store H v (turboquant.value_rotation)
+    PAIR_CODE: tl.constexpr,  # keys coded by pairs (turboquant_pair_code)
 ):
     pid = tl.program_id(0)
     token = pid // H
@@ -123,12 +129,15 @@ def _tq_store_mse_hadamard(
     x = tl.div_rn(k, tl.zeros([D], tl.float32) + (norm + 1e-8))
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
 
-    # Bucket = number of (sorted) midpoints <= y: the insertion point
-    # 0.20.2's binary search finds, from uniform scalar loads instead of
-    # MSE_BITS gathers per coordinate.
-    idx = tl.zeros([D], tl.int32)
-    for j in tl.static_range(2**MSE_BITS - 1):
-        idx += (y >= tl.load(Midpoints_ptr + j)).to(tl.int32)
+    if PAIR_CODE:
+        idx = _nearest_pair_fields(y, Midpoints_ptr, D)
+    else:
+        # Bucket = number of (sorted) midpoints <= y: the insertion point
+        # 0.20.2's binary search finds, from uniform scalar loads instead of
+        # MSE_BITS gathers per coordinate.
+        idx = tl.zeros([D], tl.int32)
+        for j in tl.static_range(2**MSE_BITS - 1):
+            idx += (y >= tl.load(Midpoints_ptr + j)).to(tl.int32)
 
     _store_codes(KV_cache_ptr + slot_base, idx, D, MSE_BITS)
 
@@ -276,7 +285,7 @@ def turboquant_store_hadamard(
     kv_cache: torch.Tensor,  # [num_blocks, block_size, H, slot] uint8, strided
     slot_mapping: torch.Tensor,  # [N] int32/int64, -1 = skip
     PiT: torch.Tensor,  # [D, D] Sylvester Hadamard / sqrt(D), float32
-    midpoints: torch.Tensor,  # [2**mse_bits - 1] float32, sorted
+    midpoints: torch.Tensor,  # [2**mse_bits - 1] float32, sorted; or [64, 2]
     mse_bits: int,
     key_packed_size: int,
     value_quant_bits: int,
@@ -298,7 +307,9 @@ def turboquant_store_hadamard(
     ``positions`` (the tokens' positions in their sequences) only a
     sequence's first key may be stored the latter way. With
     ``value_rotation`` the values stored are ``PiT @ value``, coded as 0.20.2
-    codes values (``turboquant.value_rotation``).
+    codes values (``turboquant.value_rotation``). Where ``midpoints`` is a
+    pair codebook (``turboquant_pair_code``) each pair of rotated
+    coordinates is coded as its nearest point instead.
     """
     N, H, D = key.shape
     if not rotates_in_registers(D) or mse_bits not in (3, 4):
@@ -315,6 +326,9 @@ def turboquant_store_hadamard(
         _check_key_scale(key_scale, D)
     if key_offset is not None:
         check_key_offset(key_offset, H, D)
+    pairs = is_pair_codebook(midpoints)
+    if pairs:
+        check_pair_codebook(midpoints, mse_bits)
     layout = slot_layout(D, False, mse_bits, value_quant_bits)
     launcher(_tq_store_mse_hadamard)[(N * H,)](
         key,
@@ -348,6 +362,7 @@ def turboquant_store_hadamard(
         HAS_KEY_OFFSET=key_offset is not None,
         HAS_POSITIONS=key_offset is not None and positions is not None,
         ROTATE_VALUE=value_rotation,
+        PAIR_CODE=pairs,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
     )
@@ -389,13 +404,14 @@ def turboquant_store(
     ``key_scale`` ([D] fp32, MSE keys only): store ``key / key_scale``.
     ``key_offset`` ([H, D] fp32) and ``positions`` ([N]): see
     ``turboquant_store_hadamard``, which alone stores an offset (0.20.2's
-    kernels have no sign bit to read) and rotated values
-    (``value_rotation``)."""
+    kernels have no sign bit to read), rotated values (``value_rotation``)
+    and pair codes (``midpoints`` a pair codebook)."""
     N, H, D = key.shape
     fused = not key_fp8 and rotates_in_registers(D) and mse_bits in (3, 4)
     for name, wanted, fix in (
         ("key_offset", key_offset is not None, "bind no offset"),
         ("value_rotation", value_rotation, "store its values unrotated"),
+        ("a pair codebook", is_pair_codebook(midpoints), "code keys per coordinate"),
     ):
         if wanted and not fused:
             keys = "FP8 keys" if key_fp8 else f"{mse_bits}-bit keys"

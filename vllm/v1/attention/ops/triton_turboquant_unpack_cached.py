@@ -39,6 +39,11 @@ from vllm.v1.attention.ops.turboquant_hadamard import (
     _hadamard_tile,
     rotates_in_registers,
 )
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    _pair_point_values,
+    check_pair_codebook,
+    is_pair_codebook,
+)
 from vllm.v1.attention.ops.turboquant_slot_layout import slot_layout
 
 # Cached tokens per program: one page of the backend's caches.
@@ -52,7 +57,7 @@ BLOCK_N = 16
 def _tq_unpack_cached(
     KV_ptr,  # [num_blocks, page, Hk, slot] uint8
     Block_row_ptr,  # the request's block ids, int32
-    Centroids_ptr,  # [2**MSE_BITS] fp32
+    Centroids_ptr,  # [2**MSE_BITS] fp32, or [64, 2] (PAIR_CODE)
     Rot_ptr,  # the backend's scaled Hadamard matrix: only [0, 0] is read
     KeyScale_ptr,  # [D] fp32 (KEY_SCALE)
     KeyOffset_ptr,  # [Hk, D] fp32 (KEY_OFFSET)
@@ -84,6 +89,7 @@ def _tq_unpack_cached(
     KEY_OFFSET: tl.constexpr,
     ROTATE_VALUES: tl.constexpr,
     SHARE: tl.constexpr,  # 0: no held map; 1: row0 on a tile; 2: row0 between
+    PAIR_CODE: tl.constexpr,  # Centroids_ptr holds a pair code's [64, 2] points
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -118,7 +124,11 @@ def _tq_unpack_cached(
                 k = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             w0, w1, w2 = _load_field(KV_ptr, KV_ptr, base, live, 0, MSE_BITS, D, False)
-            c = tl.load(Centroids_ptr + _unpack(w0, w1, w2, MSE_BITS, D, BLOCK_N))
+            idx = _unpack(w0, w1, w2, MSE_BITS, D, BLOCK_N)
+            if PAIR_CODE:
+                c = _pair_point_values(idx, Centroids_ptr)
+            else:
+                c = tl.load(Centroids_ptr + idx)
             if NORM_CORRECTION:
                 c = c / tl.sqrt(tl.sum(c * c, axis=1) + 1e-16)[:, None]
             norm = _load_words(KV_ptr, KV_ptr, base, NORM_WORDS, live, False)
@@ -202,7 +212,7 @@ def unpack_cached(
     kv_cache: torch.Tensor,  # [num_blocks, page, Hk, slot] uint8
     block_row: torch.Tensor,  # [1, >= cdiv(cached, page)] int32
     cached: int,
-    centroids: torch.Tensor,  # [2**mse_bits] fp32
+    centroids: torch.Tensor,  # [2**mse_bits] fp32, or a pair codebook
     rotation: torch.Tensor,  # the backend's scaled Hadamard matrix
     k_out: torch.Tensor,  # [cached, Hk, D], last dimension contiguous
     v_out: torch.Tensor,
@@ -220,7 +230,8 @@ def unpack_cached(
     ``v_out`` as the model computed them: MSE keys rotated back by
     ``rotation`` (``is_backend_hadamard``), multiplied by ``key_scale``
     and shifted back by ``key_offset`` where the layer stores them so;
-    values rotated back where ``value_rotation``.
+    values rotated back where ``value_rotation``. ``centroids`` may be a
+    pair codebook (``turboquant_pair_code``).
 
     ``held`` ([packed rows / BLOCK_N + 1, Hk] int32) says which whole
     ``BLOCK_N``-token tile of the cache each tile of the packed rows holds
@@ -257,6 +268,9 @@ def unpack_cached(
                 f"from packed row {row0}, got {tuple(held.shape)}"
             )
         share = 1 if row0 % BLOCK_N == 0 else 2
+    pairs = not key_fp8 and is_pair_codebook(centroids)
+    if pairs:
+        check_pair_codebook(centroids, mse_bits)
     if cached == 0:
         return
     layout = slot_layout(D, key_fp8, mse_bits, value_bits)
@@ -295,5 +309,6 @@ def unpack_cached(
         KEY_OFFSET=key_offset is not None,
         ROTATE_VALUES=bool(value_rotation),
         SHARE=share,
+        PAIR_CODE=pairs,
         num_warps=_warps(D, key_fp8),
     )

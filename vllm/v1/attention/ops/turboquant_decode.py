@@ -44,6 +44,7 @@ from vllm.v1.attention.ops.triton_turboquant_rotate_query import (
 )
 from vllm.v1.attention.ops.turboquant_device import num_sms, nvidia_capability
 from vllm.v1.attention.ops.turboquant_hadamard import is_backend_hadamard
+from vllm.v1.attention.ops.turboquant_pair_code import is_pair_codebook
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     check_key_offset,
     slot_layout,
@@ -180,7 +181,7 @@ def decode_attention(
     block_table: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     PiT: torch.Tensor | None,  # [D, D] fp32 (q_rot = q @ PiT); None for FP8 keys
-    centroids: torch.Tensor,  # [2**mse_bits] fp32
+    centroids: torch.Tensor,  # [2**mse_bits] fp32, or a pair codebook [64, 2]
     scale: float,
     mse_bits: int,
     key_packed_size: int,
@@ -587,16 +588,21 @@ def maybe_decode_attention(
     multiplies its query by it first. ``key_offset``: the layer's key offset
     (``turboquant.key_offset``); 0.20.2's kernel cannot read the keys stored
     with one, so a layout it would take is refused; the same for
-    ``value_rotation`` (values stored rotated, ``turboquant.value_rotation``)
-    and ``raw_window`` (``decode_attention``'s).
+    ``value_rotation`` (values stored rotated, ``turboquant.value_rotation``),
+    ``raw_window`` (``decode_attention``'s) and keys coded by pairs
+    (``centroids`` a pair codebook, ``turboquant_pair_code``).
     """
     B, Hq, D = query.shape
     stage = envs.VLLM_TURBOQUANT_DECODE
     if stage == "legacy" or not supports(
         D, Hq, kv_cache.shape[2], mse_bits, value_quant_bits, key_fp8
     ):
-        if key_offset is not None or value_rotation or raw_window is not None:
-            if raw_window is not None:
+        pairs = not key_fp8 and is_pair_codebook(centroids)
+        if key_offset is not None or value_rotation or raw_window is not None or pairs:
+            if pairs:
+                what = "keys are coded by pairs of coordinates"
+                other = "serve it with turboquant_3bit_nc"
+            elif raw_window is not None:
                 what = "recent tokens are read from a raw window"
                 other = "drop the recent:W entry from --kv-cache-dtype-skip-layers"
             elif key_offset is not None:
