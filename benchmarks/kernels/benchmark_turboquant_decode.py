@@ -51,8 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_run import DEFAULT_OUT, check_iters, run_meta, write_run  # noqa: E402
 from gpu_timer import Timer, copy_bandwidth  # noqa: E402
 from turboquant_layer_setup import (  # noqa: E402
+    OPT_IN_PRESETS,
     PAGE,
     PRESETS,
+    codes_pairs,
     packed_slots,
     served_extras,
     store_kwargs,
@@ -135,8 +137,16 @@ def paged_layout(batch, context, seed=0):
 
 
 def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
-    """Real packed slots: store a pool of random tokens, tile it over the cache."""
-    from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+    """Real packed slots: store a pool of random tokens, tile it over the cache
+    (0.20.2's store; the shipped one for pair codes, which only it writes)."""
+    if codes_pairs(cfg):
+        from vllm.v1.attention.ops.triton_turboquant_store_fused import (
+            turboquant_store as triton_turboquant_store,
+        )
+    else:
+        from vllm.v1.attention.ops.triton_turboquant_store import (
+            triton_turboquant_store,
+        )
 
     pool_tokens = 4096
     pool = torch.zeros(
@@ -268,6 +278,8 @@ def tq_decode_runner(
         tq_decode = None
     if new and tq_decode is None:
         return None
+    if not new and codes_pairs(cfg):
+        return None  # 0.20.2's kernel reads every field as a level
     B, Hq, D = q.shape
     S = SCRATCH_SPLITS
     # Poisoned: the first (checked) call must write every output it returns.
@@ -744,9 +756,11 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                     device="cuda",
                 )
                 _, midpoints, pit = tq_tables(cfg, D)
-                timed = {}
+                timed = {"old": None}
                 for name, fn in (("new", turboquant_store),
                                  ("old", triton_turboquant_store)):  # fmt: skip
+                    if name == "old" and codes_pairs(cfg):
+                        continue  # 0.20.2's store writes levels only
                     run = functools.partial(
                         fn,
                         k,
@@ -774,7 +788,7 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                 )
                 log(
                     f"  store {label} {n:5d} tok {preset:20s} shipped "
-                    f"{timed['new']:8.1f} us, 0.20.2's {timed['old']:8.1f} us "
+                    f"{timed['new']:8.1f} us, 0.20.2's {fmt_us(timed['old']):>8} us "
                     f"(bf16 {bf16_us and f'{bf16_us:.1f}'} us), shipped at "
                     f"{nbytes / (timed['new'] * 1e-6) / bw:5.1%} of copy bandwidth"
                 )
@@ -1104,7 +1118,14 @@ def main():
         action="store_true",
         help="4 cases, all presets, small sweep (< 4 min on an H100)",
     )
-    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    ap.add_argument(
+        "--presets",
+        nargs="+",
+        default=PRESETS,
+        choices=PRESETS + OPT_IN_PRESETS,
+        help=f"default: {' '.join(PRESETS)}; {' '.join(OPT_IN_PRESETS)} (patch "
+        "0034) only when named",
+    )
     ap.add_argument(
         "--sweep",
         action="store_true",

@@ -18,6 +18,9 @@ PRESETS = [
     "turboquant_k3v4_nc",
     "turboquant_3bit_nc",
 ]
+# Presets only a vLLM with hybridkv's patch 0034 has: timed where --presets
+# names them.
+OPT_IN_PRESETS = ["turboquant_3bit_pair_nc"]
 
 
 PAGE = 16
@@ -59,14 +62,30 @@ def tq_config(preset, head_dim):
     return TurboQuantConfig.from_cache_dtype(preset, head_dim)
 
 
+def codes_pairs(cfg) -> bool:
+    """Whether the preset codes keys by pairs of coordinates (patch 0034):
+    0.20.2's store and decode cannot read those."""
+    return getattr(cfg, "key_pairs", False)
+
+
 def tq_tables(cfg, head_dim, device="cuda"):
     """The centroids a TurboQuant layer holds (fp16 values, not the solver's),
-    their midpoints, and the backend's own rotation matrix."""
+    their midpoints, and the backend's own rotation matrix; for a preset that
+    ``codes_pairs``, its 64 points twice (the store reads them too)."""
     from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
         fp16_centroids,
     )
     from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
+    if codes_pairs(cfg):
+        from vllm.model_executor.layers.quantization.turboquant.key_codebook import (
+            key_codebook,
+            store_codebook,
+        )
+
+        points = key_codebook(cfg, head_dim).to(device)
+        pit = _build_hadamard(head_dim, str(torch.device(device)))
+        return points, store_codebook(points), pit
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
     centroids, _ = fp16_centroids(head_dim, bits).sort()
     midpoints = (centroids[:-1] + centroids[1:]) / 2

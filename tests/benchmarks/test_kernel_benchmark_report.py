@@ -241,3 +241,24 @@ def test_mse_presets_are_timed_with_the_backends_query_rotation(monkeypatch):
         query = torch.zeros(1, 4, 128)
         bench.splitkv_call(query, None, None, None, cfg, None, pit, 1.0)()
         assert calls.pop()["hadamard_query"] is hadamard, preset
+
+
+def test_the_pair_preset_is_timed_on_its_own_codebook_without_0202_kernels():
+    """turboquant_3bit_pair_nc (patch 0034): its layer's 64 points are the
+    centroids and what the store reads; 0.20.2's decode, which reads levels,
+    is not timed beside it."""
+    import torch
+
+    bench = _bench()
+    cfg = bench.tq_config("turboquant_3bit_pair_nc", 128)
+    points, store_table, _ = bench.tq_tables(cfg, 128, device="cpu")
+    assert points.shape == (64, 2) and torch.equal(store_table, points)
+    q = torch.zeros(1, 4, 128)
+    assert (
+        bench.tq_decode_runner(q, None, None, None, cfg, points, None, 1.0, False)
+        is None
+    )
+    levels, mids, _ = bench.tq_tables(
+        bench.tq_config("turboquant_3bit_nc", 128), 128, device="cpu"
+    )
+    assert levels.shape == (8,) and mids.shape == (7,)
