@@ -36,7 +36,13 @@ def _gapped(*ties):
 
 def test_configs_and_engine_kwargs():
     cfgs = tqm.configs()
-    assert len(cfgs) == 2 * 2 * len(tqm.PRESETS) + 9
+    # The grid, 9 padded-page and draft cells, the pair code with and without MTP.
+    assert len(cfgs) == 2 * 2 * len(tqm.PRESETS) + 9 + 2
+    pair = [c.name for c in cfgs if c.kv == "turboquant_3bit_pair_nc"]
+    assert pair == [
+        "qwen3_5.turboquant_3bit_pair_nc.none",
+        "qwen3_5.turboquant_3bit_pair_nc.mtp",
+    ]
     assert len({c.name for c in cfgs}) == len(cfgs)
     for c in cfgs:
         kw = tqm.engine_kwargs(c, CKPTS)
