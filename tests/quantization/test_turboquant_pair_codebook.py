@@ -16,33 +16,18 @@ import math
 import pytest
 import torch
 
+from tests.quantization.test_turboquant_fp16_centroids import _layer
 from tests.v1.core.test_kv_cache_capacity import QWEN36, models, plan  # noqa: F401
-from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.attention.attention import Attention
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.model_executor.layers.quantization.turboquant.key_codebook import (
     store_codebook,
 )
-from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
 from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
 
 PRESET = "turboquant_3bit_pair_nc"
-
-
-def _layer(cache_dtype: str, head_size: int) -> Attention:
-    config = VllmConfig(cache_config=CacheConfig(cache_dtype=cache_dtype))
-    # bf16: the TurboQuant backend (picked on CUDA) takes no fp32 models.
-    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
-        return Attention(
-            num_heads=4,
-            head_size=head_size,
-            scale=head_size**-0.5,
-            num_kv_heads=2,
-            cache_config=config.cache_config,
-            prefix="model.layers.0.self_attn.attn",
-        )
 
 
 def _nearest(x: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
