@@ -141,11 +141,11 @@ def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
     (0.20.2's store; the shipped one for pair codes, which only it writes)."""
     if codes_pairs(cfg):
         from vllm.v1.attention.ops.triton_turboquant_store_fused import (
-            turboquant_store as triton_turboquant_store,
+            turboquant_store as store,
         )
     else:
         from vllm.v1.attention.ops.triton_turboquant_store import (
-            triton_turboquant_store,
+            triton_turboquant_store as store,
         )
 
     pool_tokens = 4096
@@ -155,7 +155,7 @@ def fill_tq_cache(cache, cfg, hk, head_dim, pit, midpoints):
     k = torch.randn(pool_tokens, hk, head_dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(pool_tokens, hk, head_dim, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(pool_tokens, dtype=torch.int32, device="cuda")
-    triton_turboquant_store(
+    store(
         k,
         v,
         pool,

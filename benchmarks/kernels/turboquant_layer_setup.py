@@ -77,6 +77,10 @@ def tq_tables(cfg, head_dim, device="cuda"):
     )
     from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
+    # The backend's cached matrix itself, not an equal one: the decode knows
+    # that object (``is_backend_hadamard``) and rotates the query in one
+    # small kernel, as in an engine (``splitkv_call``).
+    pit = _build_hadamard(head_dim, str(torch.device(device)))
     if codes_pairs(cfg):
         from vllm.model_executor.layers.quantization.turboquant.key_codebook import (
             key_codebook,
@@ -84,15 +88,10 @@ def tq_tables(cfg, head_dim, device="cuda"):
         )
 
         points = key_codebook(cfg, head_dim).to(device)
-        pit = _build_hadamard(head_dim, str(torch.device(device)))
         return points, store_codebook(points), pit
     bits = cfg.key_mse_bits if not cfg.key_fp8 else cfg.centroid_bits
     centroids, _ = fp16_centroids(head_dim, bits).sort()
     midpoints = (centroids[:-1] + centroids[1:]) / 2
-    # The backend's cached matrix itself, not an equal one: the decode knows
-    # that object (``is_backend_hadamard``) and rotates the query in one
-    # small kernel, as in an engine (``splitkv_call``).
-    pit = _build_hadamard(head_dim, str(torch.device(device)))
     return centroids.to(device), midpoints.to(device), pit
 
 
