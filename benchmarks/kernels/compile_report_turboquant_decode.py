@@ -31,12 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRESETS = [
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
-]
+# Run as a file, only the script's own folder is on sys.path; imported as
+# benchmarks.kernels.compile_report_turboquant_decode, it is not.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from turboquant_layer_setup import OPT_IN_PRESETS, PRESETS, codes_pairs  # noqa: E402
+
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
 # KV heads of the benchmarks' model shapes (Qwen3-4B, Qwen3.6-27B, Gemma 4's
 # full layers): the Gluon stage 1 compiles the cache's token stride in, and
@@ -231,7 +230,8 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
     ):
         raise ValueError("not served by the Gluon stage 1")
     tails = False
-    if not cfg.key_fp8:  # the centroids a layer holds decide the tails' dot
+    pairs = codes_pairs(cfg)
+    if not cfg.key_fp8 and not pairs:  # a layer's centroids decide the tails' dot
         centroids = fp16_centroids(head_dim, cfg.key_mse_bits)
         gluon_decode.key_table(centroids)
         tails = gluon_decode.key_tails(centroids)
@@ -246,6 +246,7 @@ def compile_gluon_stage1(preset, head_dim, group, arch):
         arch,
         value_bits=cfg.value_quant_bits,
         key_tails=tails,
+        pairs=pairs,
     )
     registers, spills = _ptxas_usage(kernel.asm["ptx"], arch)
     shared = kernel.metadata.shared
@@ -277,7 +278,14 @@ def geometry_arg(text: str) -> tuple[int, ...]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS)
+    ap.add_argument(
+        "--presets",
+        nargs="+",
+        default=PRESETS,
+        choices=PRESETS + OPT_IN_PRESETS,
+        help=f"default: {' '.join(PRESETS)}; {' '.join(OPT_IN_PRESETS)} (patch "
+        "0034, the Gluon stage 1 only) when named",
+    )
     ap.add_argument(
         "--head-dims", nargs="+", type=int, default=[128, 256, 512], choices=sorted(GQA)
     )
@@ -304,7 +312,7 @@ def main():
         ap.error("--sass reports the Gluon stage 1: add --gluon")
     if args.gluon:
         print(
-            "preset               head_dim  regs  spill  shared  progs/SM  "
+            "preset                  head_dim  regs  spill  shared  progs/SM  "
             "loop warp-instr/token (PTX, SASS)"
         )
         for preset in args.presets:
@@ -314,12 +322,12 @@ def main():
                         compile_gluon_stage1(preset, head_dim, GQA[head_dim], args.arch)
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"{preset:20s} {head_dim:8d}: {e}")
+                    print(f"{preset:23s} {head_dim:8d}: {e}")
                     continue
                 # Each warp runs the loop over one 16-token tile.
                 sass_per_token = sum(sass.values()) * head_dim // 128 / 16
                 print(
-                    f"{preset:20s} {head_dim:8d} {regs:5d} {spills:6d} "
+                    f"{preset:23s} {head_dim:8d} {regs:5d} {spills:6d} "
                     f"{shared // 1024:5d}K {per_sm:9d} {per_token:10.0f} "
                     f"{sass_per_token:6.0f}",
                     flush=True,
@@ -340,7 +348,7 @@ def main():
     from vllm.v1.attention.ops import triton_turboquant_decode_splitkv as splitkv
 
     print(
-        "preset               head_dim geometry         regs  spill  shared  "
+        "preset                  head_dim geometry         regs  spill  shared  "
         "progs/SM  loop warp-instr/token"
     )
     for preset in args.presets:
@@ -359,10 +367,10 @@ def main():
                         word16=not args.byte_loads,
                     )
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"{preset:20s} {head_dim:8d} {geometry}: {e}")
+                    print(f"{preset:23s} {head_dim:8d} {geometry}: {e}")
                     continue
                 print(
-                    f"{preset:20s} {head_dim:8d} {str(geometry):16s} {regs:5d} "
+                    f"{preset:23s} {head_dim:8d} {str(geometry):16s} {regs:5d} "
                     f"{spills:6d} {shared // 1024:5d}K {per_sm:9d} {per_token:10.0f}",
                     flush=True,
                 )

@@ -351,7 +351,17 @@ def call(helper, *args, rewrite=None):
             rewrite(asm), *a, **k
         )
     glb["gl"] = gl
+    _unwrap_helpers(glb)
     return types.FunctionType(helper.fn.__code__, glb)(*args)
+
+
+def _unwrap_helpers(glb: dict) -> None:
+    """The ``gluon.jit`` helpers among a kernel's globals as plain Python
+    functions of those globals, so that the helpers they call run too."""
+    for name, obj in list(glb.items()):
+        body = getattr(obj, "fn", None)
+        if hasattr(body, "__code__"):
+            glb[name] = types.FunctionType(body.__code__, glb, name)
 
 
 def _e4m3x4(w):
@@ -384,10 +394,7 @@ def runner(models=None):
                 for x in range(grid[0]):
                     glb = _values(fn.__globals__)
                     glb["gl"] = _language((x, y, z), grid)
-                    for name, obj in list(glb.items()):
-                        body = getattr(obj, "fn", None)
-                        if name not in models and hasattr(body, "__code__"):
-                            glb[name] = types.FunctionType(body.__code__, glb, name)
+                    _unwrap_helpers(glb)
                     glb.update(models)
                     types.FunctionType(fn.__code__, glb, fn.__name__)(
                         *ptr_args, **constexprs

@@ -28,12 +28,14 @@ def static_compile(
     value_bits: int = 4,
     key_tails: bool = True,
     shifted: bool | None = None,
+    pairs: bool = False,
 ):
     """Stage 1 compiled for ``sm_<arch>`` without a GPU (tests, compile
     reports): bf16 queries and outputs, pages of 16 tokens ``token_bytes``
     apart (a cache's stride(1): KV heads x slot; a constant of the compiled
     kernel, and ptxas allocates registers differently per value), split,
-    launched programmatically from sm_90 as ``stage1`` launches it."""
+    launched programmatically from sm_90 as ``stage1`` launches it.
+    ``pairs``: 3-bit keys coded by pairs (``stage1``'s ``key_pairs``)."""
     # 32-bit words where the slots allow them (FP8 keys; 4-bit keys and
     # values at a token stride of whole words), as stage1() decides.
     word32 = key_fp8 if word32 is None else word32
@@ -44,6 +46,7 @@ def static_compile(
         head_dim, group, 16, key_fp8, mse_bits, key_packed_size, norm_correction,
         word32, True, 256, value_bits, key_tails,
         token_bytes // gluon_decode._unit_bytes(word32 or shifted), arch >= 90, shifted,
+        pairs=pairs,
     )  # fmt: skip
     pointers = dict(
         Q_ptr="*bf16" if key_fp8 else "*fp32",

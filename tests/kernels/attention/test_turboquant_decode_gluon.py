@@ -109,6 +109,26 @@ def test_gluon_stage1_matches_float64(
     assert gluon_on_numpy, "decode_attention did not take the Gluon stage 1"
 
 
+# Keys coded by pairs (3bit_nc's layout, a pair codebook): one to four warps,
+# a padding row, one token, partial tiles, one split and several.
+PAIR_CASES = [
+    (128, 6, [0, 1, 19, 45, 70], None),
+    (256, 4, [33, 2], 3),
+    (512, 2, [40], 1),
+]
+
+
+@pytest.mark.parametrize(("head_dim", "gqa", "seq_lens", "splits"), PAIR_CASES)
+def test_gluon_stage1_reads_pair_codes(
+    triton_interpret, gluon_on_numpy, head_dim, gqa, seq_lens, splits
+):
+    check_decode(
+        triton_interpret, "turboquant_3bit_nc", head_dim, gqa, seq_lens,
+        num_kv_heads=1 if head_dim == 512 else 2, splits=splits, pairs=True,
+    )  # fmt: skip
+    assert gluon_on_numpy, "decode_attention did not take the Gluon stage 1"
+
+
 def test_gluon_stage1_serves_padded_pages_and_verify_rows(
     triton_interpret, gluon_on_numpy
 ):
@@ -738,8 +758,32 @@ def test_asymmetric_centroids_get_no_table(monkeypatch, caplog_vllm):
     assert "the Triton stage 1 serves them" in caplog_vllm.text
     assert gluon_decode.key_table(c[:8].clone()) is None  # 8, not symmetric
     assert gluon_decode.key_table(c[:4].clone()) is None  # 4
-    assert gluon_decode.key_table(pair_codebook(128)) is None  # a pair code's points
+    points = pair_codebook(128)
+    points[5, 1] += 1e-4  # no longer an fp16 value
+    assert gluon_decode.key_table(points) is None
     assert gluon_decode.key_table(c.clone()) is not None
+
+
+@pytest.mark.parametrize("head_dim", [128, 512])
+def test_pair_table_gathers_every_point_at_every_position(monkeypatch, head_dim):
+    """Each of a key word's four bytes, spread from two 3-bit fields (index
+    % 8 first), gathers its point: dimensions 2m and 2m + 1 of the word get
+    the point's two coordinates, exactly. Through the kernel's helper on
+    ``gluon_numpy``."""
+    monkeypatch.setattr(gluon_decode, "_tables", {})
+    points = pair_codebook(head_dim)
+    table = gluon_decode.key_table(points)
+    assert table.shape == (64,) and table.dtype == torch.int32
+    assert not gluon_decode.key_tails(points)
+    idx = (np.arange(64)[:, None] + 17 * np.arange(4)[None, :]) % 64  # [64, pair]
+    nib = np.stack([idx % 8, idx // 8], -1).reshape(64, 8)  # U3 spread: no bias
+    w = (nib << (4 * np.arange(8))).sum(-1)
+    w = np.where(w >= 2**31, w - 2**32, w).astype(np.int32)
+    out = gluon_numpy.call(gluon_decode._pair_points, w, gluon_numpy.Pointer.of(table))
+    got = np.stack([np.asarray(o) for o in out], -1)
+    assert got.dtype == np.float16
+    want = points.numpy()[idx].reshape(64, 8)
+    assert np.array_equal(got.astype(np.float32), want)
 
 
 def test_key_table_builds_nothing_while_a_graph_is_captured(monkeypatch):
@@ -915,6 +959,29 @@ def test_gluon_stage1_compiles_for_sm90(preset, head_dim, gqa, key_tails):
     # No dequantized value crosses threads: the only shared-memory traffic
     # is the packed words, the query chunks and the cross-warp score sum.
     assert kernel.metadata.shared <= 64 * 1024
+
+
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+def test_pair_code_stage1_compiles_for_sm90(head_dim):
+    """Keys coded by pairs: the stage 1 that gathers their points compiles
+    for sm_90 under the register cap."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled in the session without the Triton interpreter")
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_3bit_nc", head_dim)
+    kernel = gluon_static_compile.static_compile(
+        head_dim, 4, False, 3, cfg.key_packed_size, True, cfg.slot_size_aligned,
+        value_bits=3, key_tails=False, pairs=True,
+    )  # fmt: skip
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync" in ptx and f".maxnreg {gluon_decode.MAX_REGISTERS}" in ptx
+
+
+def test_pairs_are_3bit_mse_keys():
+    with pytest.raises(ValueError, match="coded by pairs are 3-bit MSE keys"):
+        gluon_decode._constexprs(
+            128, 4, 16, False, 4, 66, True, False, True, 256, 4, False, 1000,
+            True, pairs=True,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(("arch", "pdl"), [(90, True), (89, False)])

@@ -32,6 +32,9 @@ value crosses threads:
   3-bit MSE keys (``turboquant_k3v4_nc``) are spread to those 4-bit words
   as they go to shared memory: code n becomes nibble n + 4, so their 8
   symmetric centroids are magnitudes 0-3 of the same lookup.
+  Keys coded by pairs of coordinates (``turboquant_pair_code``) have no
+  such symmetry: a pair's 6-bit index gathers its point, one f16x2 word,
+  from a 64-word table in global memory (L1).
   4-bit values are ``(n | 0x6400) - 1024`` in f16x2 (exact).
 - The score tile's accumulator layout is the fp16 A-operand layout, so ``p``
   stays in registers between the two dots. The online softmax moves a row's
@@ -61,6 +64,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from vllm.logger import init_logger
 from vllm.triton_utils.compiled_launch import ByIdentity, launcher
 from vllm.v1.attention.ops.turboquant_device import programmatic_launch
+from vllm.v1.attention.ops.turboquant_pair_code import PAIR_POINTS, is_pair_codebook
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     slot_layout,
     stage1_strides,
@@ -272,8 +276,26 @@ def _f32_bits(x: float) -> torch.Tensor:
     return torch.tensor([x], dtype=torch.float32).view(torch.int32).long()[0]
 
 
+def _pair_table(points: torch.Tensor) -> torch.Tensor | None:
+    """[PAIR_POINTS] int32: point n's two coordinates as fp16 in the low and high half
+    of word n (the f16x2 register of the key operand that holds dimensions
+    2i and 2i + 1), unscaled: the pair code's stage 1 takes its norms from
+    the key Gram matrix, where a scale cancels, or none. None where a
+    coordinate is not an fp16 value (the scores would be rounded)."""
+    half = points.half()
+    if points.shape != (PAIR_POINTS, 2) or not torch.equal(
+        half.float(), points.float()
+    ):
+        return None
+    bits = half.view(torch.int16).long() & 0xFFFF
+    words = bits[:, 0] | (bits[:, 1] << 16)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
-    """[32, TABLE_WORDS] int32, one row per lane, for 16 symmetric centroids
+    """For a pair codebook ([64, 2] points, ``turboquant_pair_code``), the
+    points as 64 f16x2 words (``_pair_table``). Otherwise:
+    [32, TABLE_WORDS] int32, one row per lane, for 16 symmetric centroids
     (c[n] = -c[15 - n]), by magnitude j (nibble 8 + j, its negation 7 - j):
 
     - words 0-3: the low and high byte planes of fp16 heads of the
@@ -287,7 +309,8 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
     The tails are all zero where the centroids are fp16 values (see
     ``key_tails``).
 
-    None where the centroids are not 16 and symmetric (the caller then runs
+    None where the centroids are neither 16 and symmetric nor pair points
+    that are fp16 values (the caller then runs
     the Triton stage 1), and while a CUDA graph is captured if not built
     before: building allocates and copies, which a capture must not record.
     """
@@ -300,7 +323,12 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
         table = None
         tails = True
         n = c.shape[0] if c.dim() == 1 else 0
-        if n in (8, 16) and torch.equal(c, -c.flip(0)):
+        if is_pair_codebook(c):
+            table = _pair_table(c)
+            tails = False
+            if table is not None:
+                table = table.to(centroids.device)
+        elif n in (8, 16) and torch.equal(c, -c.flip(0)):
             # Heads and tails of the centroids scaled to a largest magnitude
             # in [0.5, 1): unscaled, head_dim 512's smallest tails were fp16
             # subnormals, and head + tail held 21 bits instead of 22.
@@ -326,12 +354,12 @@ def key_table(centroids: torch.Tensor) -> torch.Tensor | None:
             v = torch.where(v >= 2**31, v - 2**32, v)  # the same 32 bits
             # One copy per lane (see _stage1).
             table = v.to(torch.int32).repeat(32, 1).to(centroids.device)
-        else:
+        if table is None:
             logger.info_once(
                 "TurboQuant decode: the Gluon stage 1 reads 8 or 16 centroids "
-                "symmetric about 0 (c[n] == -c[N - 1 - n]); these are not "
-                "(shape %s), so the Triton stage 1 serves them (same results, "
-                "slower).",
+                "symmetric about 0 (c[n] == -c[N - 1 - n]), or 64 pair points "
+                "that are fp16 values; these are neither (shape %s), so the "
+                "Triton stage 1 serves them (same results, slower).",
                 tuple(c.shape),
             )
         hit = _tables[key] = (weakref.ref(centroids), table, tails)
@@ -576,6 +604,34 @@ def _mse_centroids(sel, pos0, pos1, lo0, lo1, hi0, hi1):
 
 
 @gluon.jit
+def _f16x2_halves(w):
+    return gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;",
+        "=h,=h,r",
+        [w],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+# Pair-coded key words (``_U3_SPREAD``'s 3-bit fields as nibbles): byte m
+# holds the fields of dimensions 2m (bits 0-2, index % 8) and 2m + 1 (bits
+# 4-6, index // 8) of the word's 8.
+@gluon.jit
+def _pair_points(w, Table_ptr):
+    """The word's 8 key coordinates, as ``_mse_centroids`` gives them: each
+    byte's 6-bit point index gathers that point's f16x2 word (``_pair_table``),
+    whose halves are the byte's two dimensions."""
+    idx = (w & 0x07070707) | ((w >> 1) & 0x38383838)
+    x0, y0 = _f16x2_halves(gl.load(Table_ptr + (idx & 0xFF)))
+    x1, y1 = _f16x2_halves(gl.load(Table_ptr + ((idx >> 8) & 0xFF)))
+    x2, y2 = _f16x2_halves(gl.load(Table_ptr + ((idx >> 16) & 0xFF)))
+    x3, y3 = _f16x2_halves(gl.load(Table_ptr + ((idx >> 24) & 0xFF)))
+    return x0, y0, x1, y1, x2, y2, x3, y3
+
+
+@gluon.jit
 def _join_nibbles(n):
     """A word's 8 per-nibble tensors as one, the nibble index i = i0 + 2 i1 +
     4 i2 in three new trailing dims (i0, i1, i2)."""
@@ -757,7 +813,7 @@ def _stage1(
     KV_ptr,  # the cache as int32 words (WORD32), else int16 words
     Block_table_ptr,
     Seq_lens_ptr,
-    Table_ptr,  # key_table() (MSE keys)
+    Table_ptr,  # key_table() (MSE keys; pair points with PAIRS)
     Out_ptr,  # [B, Hq, D] written when not SPLIT
     Mid_ptr,  # [>=B, >=Hq, >=num_splits, D + 1] fp32 when SPLIT or WINDOW
     QMu_ptr,  # [B, Hq] fp32: q . key offset (KEY_OFFSET)
@@ -812,6 +868,7 @@ def _stage1(
     # int16 words; stride_cb and STRIDE_CP in int32 words, stride_ch in int16.
     SHIFTED: gl.constexpr,
     MSE3: gl.constexpr,  # 3-bit MSE keys, converted to 4-bit words on load
+    PAIRS: gl.constexpr,  # 3-bit MSE keys coded by pairs (``_pair_points``)
     V3: gl.constexpr,  # 3-bit values, the same
     VW16: gl.constexpr,  # u16 words of a slot's values
     PAGE_AHEAD: gl.constexpr,  # a tile's block number read a tile ahead
@@ -958,7 +1015,7 @@ def _stage1(
     rows_lo = (gl.arange(0, 16, layout=ROW) < 8)[:, None]
     zeros_p = gl.full([W, 16, 16], 0.0, gl.float16, MMA)
 
-    if not KEY_FP8:  # key_table(): byte planes, read once
+    if not KEY_FP8 and not PAIRS:  # key_table(): byte planes, read once
         # One copy of the table per lane: words loaded from one address are
         # uniform, which ptxas keeps in uniform registers and copies to
         # vector registers before every ``prmt`` that reads them (~110
@@ -1040,7 +1097,7 @@ def _stage1(
             v_smem.store(gl.permute(gl.reshape(vw, [16, W, 16]), [1, 0, 2]))
         else:
             if MSE3:
-                k4 = _nibbles3(kw, 4 * W, True)
+                k4 = _nibbles3(kw, 4 * W, not PAIRS)
                 k_smem.store(gl.permute(gl.reshape(k4, [16, W, 4, PTW]), [1, 0, 2, 3]))
             else:
                 k16.store(gl.permute(gl.reshape(kw, [16, W, 4, 2 * PTW]), [1, 0, 2, 3]))
@@ -1080,10 +1137,12 @@ def _stage1(
                 kf = gl.convert_layout(kf, B_OP, assert_trivial=True)
                 raw = mma_v2(qc, kf, raw)
             else:
-                sel, pos0, pos1 = _mse_select(kr)
-                ch = _key_operand(
-                    _mse_centroids(sel, pos0, pos1, t0, t1, t2, t3), W, QC
-                )
+                if PAIRS:
+                    heads = _pair_points(kr, Table_ptr)
+                else:
+                    sel, pos0, pos1 = _mse_select(kr)
+                    heads = _mse_centroids(sel, pos0, pos1, t0, t1, t2, t3)
+                ch = _key_operand(heads, W, QC)
                 kb = gl.convert_layout(ch, B_OP, assert_trivial=True)
                 raw = mma_v2(qc, kb, raw)
                 if GRAM:
@@ -1234,10 +1293,16 @@ def _constexprs(
     shifted: bool = False,
     key_offset: bool = False,
     window: bool = False,
+    pairs: bool = False,
 ) -> Mapping[str, object]:
     mse = not key_fp8
     correct = mse and bool(norm_correction)
     layout = slot_layout(head_dim, key_fp8, mse_bits, value_bits)
+    if pairs and (key_fp8 or mse_bits != 3):
+        raise ValueError(
+            f"keys coded by pairs are 3-bit MSE keys; got "
+            f"{'FP8' if key_fp8 else f'{mse_bits}-bit MSE'} keys: pass pairs=False"
+        )
     if shifted and key_packed_size % 4 != 2:
         # _stage1 finds the norm, scale and zero by the value field's start
         # being 2 bytes past the key field's (mod 4).
@@ -1272,6 +1337,7 @@ def _constexprs(
             SHIFTED=shifted,
             KEY_OFFSET=key_offset,
             WINDOW=window and not split,
+            PAIRS=pairs,
             **launch_config(head_dim, key_fp8, word32 or shifted, mse_bits, value_bits),
         )
     )
@@ -1343,6 +1409,7 @@ def stage1(
     key_tails: bool = True,
     qmu: torch.Tensor | None = None,
     window: bool = False,
+    key_pairs: bool = False,
 ) -> None:
     """Launch stage 1: partial results of ``num_splits`` context splits per
     (row, KV head) into ``mid``, or with one split the output into ``out``;
@@ -1350,7 +1417,8 @@ def stage1(
     ([B, Hq] fp32, contiguous): ``q . key_offset`` of a layer whose keys were
     stored with an offset (``rotate_query_with_offset``). ``window``: ``mid``'s
     split slot ``num_splits`` holds a raw window's partial result; with one
-    split stage 1 weighs it into the output."""
+    split stage 1 weighs it into the output. ``key_pairs``: 3-bit keys coded
+    by pairs, ``table`` their points (``key_table`` of a pair codebook)."""
     B, Hk, D = seq_lens.shape[0], kv_cache.shape[2], q_in.shape[-1]
     # The 32-bit path needs 4-byte aligned fields: FP8-key slots only (the
     # MSE presets' slots are 2 bytes longer than a multiple of 4; the 4-bit
@@ -1400,6 +1468,7 @@ def stage1(
         shifted,
         qmu is not None,
         window,
+        key_pairs,
     )
     # A GPU hands out blocks x first, so with the splits last every (KV head,
     # row)'s first split goes out before any second one. In a batch of short

@@ -527,6 +527,7 @@ def _decode(
             key_tails=False if key_fp8 else gluon.key_tails(centroids),
             qmu=qmu,
             window=raw_window is not None,
+            key_pairs=not key_fp8 and is_pair_codebook(centroids),
         )
     else:
         triton_stage1.stage1(
