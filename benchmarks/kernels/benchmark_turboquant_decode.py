@@ -385,18 +385,23 @@ def splitkv_call(q, cache, block_table, seq_lens, cfg, centroids, pit, scale, **
 
 def stage1_of(run) -> str | None:
     """Which stage 1 the split-KV call ``run`` launches: "gluon" or "triton"
-    (None without a call)."""
+    (None without a call). The call runs with no remembered launch plans: a
+    plan (patch 0026) replays its launches without calling ``stage1``, so a
+    probe after the timed calls read every stage 1 as "triton"."""
     if run is None:
         return None
     try:
         from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
     except ImportError:
         return "triton"
+    from vllm.v1.attention.ops import turboquant_decode as tq_decode
+
     calls = []
     real = gluon.stage1
     gluon.stage1 = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
-        run()
+        with unittest.mock.patch.dict(getattr(tq_decode, "_plans", {}), clear=True):
+            run()
     finally:
         gluon.stage1 = real
     return "gluon" if calls else "triton"

@@ -243,6 +243,25 @@ def test_mse_presets_are_timed_with_the_backends_query_rotation(monkeypatch):
         assert calls.pop()["hadamard_query"] is hadamard, preset
 
 
+def test_the_stage1_probe_does_not_read_a_replayed_plan_as_triton(monkeypatch):
+    # A call with a remembered launch plan replays its launches without
+    # calling the Gluon module's stage1: probed after the timed calls, every
+    # stage 1 read "triton" (release 68's H200 run, Gluon stage 1s all).
+    from vllm.v1.attention.ops import gluon_turboquant_decode as gluon
+    from vllm.v1.attention.ops import turboquant_decode as tq_decode
+
+    bench = _bench()
+    monkeypatch.setattr(tq_decode, "_plans", {"a call seen before": object()})
+    monkeypatch.setattr(gluon, "stage1", lambda *a, **k: None)
+
+    def call():  # decode_attention's order: a remembered plan, else a launch
+        if not tq_decode._plans:
+            gluon.stage1()
+
+    assert bench.stage1_of(call) == "gluon"
+    assert tq_decode._plans  # left as they were
+
+
 def test_the_pair_preset_is_timed_on_its_own_codebook_without_0202_kernels():
     """turboquant_3bit_pair_nc (patch 0034): its layer's 64 points are the
     centroids and what the store reads; 0.20.2's decode, which reads levels,
