@@ -51,9 +51,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_run import DEFAULT_OUT, check_iters, run_meta, write_run  # noqa: E402
 from gpu_timer import Timer, copy_bandwidth  # noqa: E402
 from turboquant_layer_setup import (  # noqa: E402
-    OPT_IN_PRESETS,
     PAGE,
     PRESETS,
+    add_presets_argument,
     codes_pairs,
     packed_slots,
     served_extras,
@@ -1123,14 +1123,7 @@ def main():
         action="store_true",
         help="4 cases, all presets, small sweep (< 4 min on an H100)",
     )
-    ap.add_argument(
-        "--presets",
-        nargs="+",
-        default=PRESETS,
-        choices=PRESETS + OPT_IN_PRESETS,
-        help=f"default: {' '.join(PRESETS)}; {' '.join(OPT_IN_PRESETS)} (patch "
-        "0034) only when named",
-    )
+    add_presets_argument(ap)
     ap.add_argument(
         "--sweep",
         action="store_true",

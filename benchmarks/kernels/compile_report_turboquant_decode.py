@@ -34,7 +34,10 @@ from pathlib import Path
 # Run as a file, only the script's own folder is on sys.path; imported as
 # benchmarks.kernels.compile_report_turboquant_decode, it is not.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from turboquant_layer_setup import OPT_IN_PRESETS, PRESETS, codes_pairs  # noqa: E402
+from turboquant_layer_setup import (  # noqa: E402
+    add_presets_argument,
+    codes_pairs,
+)
 
 GQA = {64: 4, 128: 4, 256: 6, 512: 8}
 # KV heads of the benchmarks' model shapes (Qwen3-4B, Qwen3.6-27B, Gemma 4's
@@ -182,6 +185,7 @@ def compile_stage1(
         cfg.norm_correction,
         0,
         word16,
+        pair_code=codes_pairs(cfg),
     )
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32")
@@ -278,14 +282,7 @@ def geometry_arg(text: str) -> tuple[int, ...]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument(
-        "--presets",
-        nargs="+",
-        default=PRESETS,
-        choices=PRESETS + OPT_IN_PRESETS,
-        help=f"default: {' '.join(PRESETS)}; {' '.join(OPT_IN_PRESETS)} (patch "
-        "0034, the Gluon stage 1 only) when named",
-    )
+    add_presets_argument(ap)
     ap.add_argument(
         "--head-dims", nargs="+", type=int, default=[128, 256, 512], choices=sorted(GQA)
     )

@@ -62,6 +62,19 @@ def tq_config(preset, head_dim):
     return TurboQuantConfig.from_cache_dtype(preset, head_dim)
 
 
+def add_presets_argument(parser) -> None:
+    """``--presets``: vLLM 0.20.2's four by default, ``OPT_IN_PRESETS`` only
+    when named."""
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        default=PRESETS,
+        choices=PRESETS + OPT_IN_PRESETS,
+        help=f"default: {' '.join(PRESETS)}; {' '.join(OPT_IN_PRESETS)} (patch "
+        "0034) only when named",
+    )
+
+
 def codes_pairs(cfg) -> bool:
     """Whether the preset codes keys by pairs of coordinates (patch 0034):
     0.20.2's store and decode cannot read those."""
