@@ -1173,6 +1173,62 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (32, 8, 128, [1, 700, 8192, 0]),
+        (24, 4, 256, [33, 8192, 0]),
+        (16, 2, 512, [2100]),
+    ],
+    ids=["qwen3-4b", "qwen3.6-27b", "d512"],
+)
+def test_pair_codes_take_the_gluon_stage1_gpu(monkeypatch, shape):
+    """Keys coded by pairs: decode_attention takes the Gluon stage 1 with the
+    pair table on sm_89+, and it and the Triton stage 1 hold fp32 rounding
+    against float64 over the same pair-coded slots."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the Gluon stage 1 needs sm_89+")
+    Hq, Hk, D, seq_lens = shape
+    device = "cuda"
+    torch.manual_seed(13)
+    cfg, points, pit, cache, table = packed_case(
+        "turboquant_3bit_nc", D, seq_lens, Hk, device, pairs=True
+    )
+    query = torch.randn(len(seq_lens), Hq, D, device=device)
+    seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    B = len(seq_lens)
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
+    # A plan remembered for these addresses would replay without stage1.
+    monkeypatch.setattr(tq_decode, "_plans", {})
+    launched = []
+    real = gluon_decode.stage1
+    monkeypatch.setattr(
+        gluon_decode,
+        "stage1",
+        lambda *a, **k: launched.append(k["key_pairs"]) or real(*a, **k),
+    )
+
+    def decoded():
+        out = decode(
+            query, cache, table, seq_t, cfg, points, pit,
+            mid_o_buf=poisoned((B, Hq, 32, D + 1), device),
+            output_buf=poisoned((B, Hq, D), device),
+            num_splits=8,  # one count for both stage 1s
+        )  # fmt: skip
+        return out.double().cpu()
+
+    got = decoded()
+    assert launched == [True], "decode_attention did not take the Gluon pair path"
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "triton")
+    triton_out = decoded()
+    ref = reference_attention(query, cache, table, seq_lens, cfg, points, pit, D**-0.5)
+    for out in (got, triton_out):
+        assert not out.isnan().any()
+        err = (out - ref).abs().max().item() / ref.abs().max().item()
+        assert err < TOL, f"max error {err:.3g} relative to max |out|"
+
+
+@pytest.mark.gpu
 def test_one_row_splits_past_the_scratch_row_gpu(monkeypatch):
     """One 20K-token row on the Qwen3-4B shape, with the backend's scratch
     (32 splits per row for 64 rows): the default split count is past 32 and
