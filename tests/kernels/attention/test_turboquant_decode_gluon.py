@@ -1103,6 +1103,22 @@ def test_nvidia_only_paths_are_chosen_on_nvidia_gpus_only(
     assert turboquant_device.programmatic_launch(device) is pdl
 
 
+def _spy_gluon_stage1(monkeypatch, argument: str) -> list:
+    """The Gluon stage 1 chosen and watched: the list gets ``argument``'s value
+    at each launch. No plans are remembered: one made for the same addresses
+    by an earlier test would replay its launches without calling stage1."""
+    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
+    monkeypatch.setattr(tq_decode, "_plans", {})
+    launched = []
+    real = gluon_decode.stage1
+    monkeypatch.setattr(
+        gluon_decode,
+        "stage1",
+        lambda *a, **k: launched.append(k[argument]) or real(*a, **k),
+    )
+    return launched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("levels", ["solver", "fp16"])
 @pytest.mark.parametrize("preset", PRESETS)
@@ -1131,14 +1147,7 @@ def test_gluon_and_triton_stage1_agree_gpu(monkeypatch, preset, shape, levels):
     query = torch.randn(len(seq_lens), Hq, D, device=device)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B = len(seq_lens)
-    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
-    launched = []
-    real = gluon_decode.stage1
-    monkeypatch.setattr(
-        gluon_decode,
-        "stage1",
-        lambda *a, **k: launched.append(k["key_tails"]) or real(*a, **k),
-    )
+    launched = _spy_gluon_stage1(monkeypatch, "key_tails")
 
     def decoded():
         return (
@@ -1197,16 +1206,7 @@ def test_pair_codes_take_the_gluon_stage1_gpu(monkeypatch, shape):
     query = torch.randn(len(seq_lens), Hq, D, device=device)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     B = len(seq_lens)
-    monkeypatch.setenv("VLLM_TURBOQUANT_DECODE", "gluon")
-    # A plan remembered for these addresses would replay without stage1.
-    monkeypatch.setattr(tq_decode, "_plans", {})
-    launched = []
-    real = gluon_decode.stage1
-    monkeypatch.setattr(
-        gluon_decode,
-        "stage1",
-        lambda *a, **k: launched.append(k["key_pairs"]) or real(*a, **k),
-    )
+    launched = _spy_gluon_stage1(monkeypatch, "key_pairs")
 
     def decoded():
         out = decode(
