@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_run import DEFAULT_OUT, check_iters, run_meta, write_run  # noqa: E402
 from gpu_timer import Timer, copy_bandwidth  # noqa: E402
 from turboquant_layer_setup import (  # noqa: E402
+    LAYER_SHAPES,
     PAGE,
     PRESETS,
     add_presets_argument,
@@ -1085,14 +1086,8 @@ def run_all(args, timer, bw, rows, log):
         bench_splits(SPLIT_CASES, SWEEP_PRESETS, timer, bw, rows, log)
     if not args.no_store:
         log("store")
-        shapes = sorted(
-            {
-                (c[0], c[1], c[2], c[3])
-                for c in (QUICK_CASES if args.quick else CASES)[:4]
-            },
-            key=lambda s: s[3],
-        )
-        bench_store(shapes[:2], args.presets, timer, bw, rows, log)
+        # One layer shape per head size (128, 256, 512), as issue 44 asks.
+        bench_store(LAYER_SHAPES, args.presets, timer, bw, rows, log)
 
 
 def check_raw_window(ap: argparse.ArgumentParser, size: int) -> None:

@@ -264,14 +264,15 @@ def test_the_stage1_probe_does_not_read_a_replayed_plan_as_triton(monkeypatch):
 
 def test_the_pair_preset_is_timed_on_its_own_codebook_without_0202_kernels():
     """turboquant_3bit_pair_nc (patch 0034): its layer's 64 points are the
-    centroids and what the store reads; 0.20.2's decode, which reads levels,
-    is not timed beside it."""
+    centroids, and the store reads them with their search cells; 0.20.2's
+    decode, which reads levels, is not timed beside it."""
     import torch
 
     bench = _bench()
     cfg = bench.tq_config("turboquant_3bit_pair_nc", 128)
     points, store_table, _ = bench.tq_tables(cfg, 128, device="cpu")
-    assert points.shape == (64, 2) and torch.equal(store_table, points)
+    assert points.shape == (64, 2) and torch.equal(store_table[:64], points)
+    assert store_table.shape[0] > 64  # the search cells (pair_search_table)
     q = torch.zeros(1, 4, 128)
     assert (
         bench.tq_decode_runner(q, None, None, None, cfg, points, None, 1.0, False)

@@ -25,7 +25,10 @@ from vllm.model_executor.layers.quantization.turboquant.key_codebook import (
     store_codebook,
 )
 from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionImpl
-from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    pair_codebook,
+    pair_search_table,
+)
 
 PRESET = "turboquant_3bit_pair_nc"
 
@@ -101,7 +104,9 @@ def test_a_layer_holds_its_preset_s_codebook():
     layer = _layer(PRESET, 128)
     assert torch.equal(layer._tq_centroids, pair_codebook(128))
     assert "attn._tq_centroids" not in layer.state_dict()
-    assert torch.equal(store_codebook(layer._tq_centroids), pair_codebook(128))
+    assert torch.equal(
+        store_codebook(layer._tq_centroids), pair_search_table(pair_codebook(128))
+    )
     levels = _layer("turboquant_3bit_nc", 128)._tq_centroids
     assert levels.shape == (8,)
     assert torch.equal(store_codebook(levels), (levels[:-1] + levels[1:]) / 2)

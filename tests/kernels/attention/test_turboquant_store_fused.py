@@ -14,7 +14,9 @@ pages of an odd size, and some slots are -1. Runs under the Triton CPU
 interpreter (``HYBRIDKV_TRITON_INTERPRET=1``, fp32) and natively on a GPU
 (bf16 inputs there too). FP8 keys (k8v4): the strided kernel's bytes equal
 0.20.2's exactly. A pair codebook (``turboquant_pair_code``): each pair of
-rotated coordinates is its float64 nearest point but near a tie.
+rotated coordinates is its float64 nearest point but near a tie, and its
+search table (``pair_search_table``) gives the codes the search over all 64
+points gives.
 """
 
 import math
@@ -30,7 +32,13 @@ from vllm.v1.attention.ops.triton_turboquant_store_fused import (
     turboquant_store,
     turboquant_store_hadamard,
 )
-from vllm.v1.attention.ops.turboquant_pair_code import pair_codebook
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    PAIR_CELLS,
+    PAIR_POINTS,
+    pair_codebook,
+    pair_search_candidates,
+    pair_search_table,
+)
 
 MSE_PRESETS = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
 BLOCK_SIZE, NUM_BLOCKS, NUM_TOKENS, NUM_Q_HEADS, NUM_KV_HEADS = 16, 3, 24, 4, 2
@@ -269,6 +277,93 @@ def test_pair_code_stores_each_pair_s_nearest_point(head_dim, triton_device):
     mse = cfg.key_packed_size - 2
     assert not torch.equal(rows["pairs"][..., :mse], rows["scalar"][..., :mse])
     assert torch.equal(rows["pairs"][..., mse:], rows["scalar"][..., mse:])
+
+
+def _cell_candidates(table: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """[n, 2] pairs -> [n, K] their cells' candidates, the cell found as the
+    store finds it (how many bounds each coordinate reaches)."""
+    k = pair_search_candidates(table, 3)
+    bounds = table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
+    x = (pairs[:, None, 0] >= bounds[:, 0]).sum(-1)
+    y = (pairs[:, None, 1] >= bounds[:, 1]).sum(-1)
+    listed = table[PAIR_POINTS + PAIR_CELLS :, 0].long().view(-1, k)
+    return listed[PAIR_CELLS * x + y]
+
+
+def _test_pairs(points: torch.Tensor) -> torch.Tensor:
+    """fp32 pairs where a search could go wrong, and typical ones: rotated
+    coordinates of unit keys, every point and every midpoint of two points
+    (ties) nudged by a few ulps, the table's bounds, and the whole square
+    [-1, 1]^2 that unit keys' coordinates lie in."""
+    g = torch.Generator().manual_seed(3)
+    d = round(2.5 / points.abs().max().item()) ** 2  # the head size, roughly
+    typical = torch.randn(20000, 2, generator=g) / math.sqrt(d)
+    mids = ((points[:, None] + points[None]) / 2).reshape(-1, 2)
+    bounds = pair_search_table(points)[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
+    across = torch.cartesian_prod(bounds[:, 0], bounds[:, 1])
+    anywhere = torch.rand(20000, 2, generator=g) * 2 - 1
+    base = torch.cat([typical, points, mids, across, anywhere])
+    ulp = torch.finfo(torch.float32).eps * base.abs().clamp_min(1e-30)
+    nudges = [base + k * ulp for k in (-3, -1, 0, 1, 3)]
+    return torch.cat(nudges).float()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_a_search_cell_lists_every_point_that_can_be_nearest_there(head_dim):
+    """The store compares a pair with its cell's candidates only: the point
+    the search over all 64 finds (fp32, first of equals) is among them, at
+    ties and at the cell bounds too, and a cell lists at most 7 points."""
+    points = pair_codebook(head_dim)
+    table = pair_search_table(points)
+    k = pair_search_candidates(table, 3)
+    assert k <= 7
+    listed = table[PAIR_POINTS + PAIR_CELLS :, 0].view(-1, k)
+    assert (listed[:, 1:] >= listed[:, :-1]).all(), "candidates not ascending"
+    assert torch.equal(table[:PAIR_POINTS], points)
+    pairs = _test_pairs(points)
+    dx = pairs[:, None, 0] - points[:, 0]
+    dy = pairs[:, None, 1] - points[:, 1]
+    nearest = (dx * dx + dy * dy).argmin(-1)
+    missed = ~(_cell_candidates(table, pairs) == nearest[:, None]).any(-1)
+    assert not missed.any(), (
+        f"{int(missed.sum())} of {len(pairs)} pairs' nearest point is not a "
+        f"candidate of their cell, e.g. {pairs[missed][:3].tolist()}"
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 512])
+def test_the_search_table_stores_the_codes_of_the_search_over_all_points(
+    head_dim, triton_device
+):
+    """The store with ``pair_search_table(points)`` writes the bytes it
+    writes with the points alone, for random keys and for keys whose rotated
+    coordinates reach the outer cells (a coordinate near 1)."""
+    device = triton_device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_3bit_nc", head_dim)
+    k, v = _qkv(head_dim, dtype, device, seed=13)
+    h = _hadamard(head_dim)
+    # Rotated, these keys are one or two of the basis vectors.
+    for t, rows in enumerate(([0], [1, 2], [3], [head_dim - 1, 5]), start=1):
+        k[t, 0] = h[rows].sum(0).to(dtype).to(device)
+    slots = _slots(device, seed=13)
+    points = pair_codebook(head_dim).to(device)
+    stored = {}
+    for name, table in (("points", points), ("table", pair_search_table(points))):
+        flat, cache, real, page = _padded_cache(cfg.slot_size_aligned, device, pad=37)
+        turboquant_store(
+            k, v, cache, slots, h.to(device), table, **store_kwargs(cfg)
+        )  # fmt: skip
+        stored[name] = flat.cpu()
+    assert torch.equal(stored["table"], stored["points"])
+
+
+def test_the_store_refuses_a_table_that_is_not_a_pair_search_table():
+    table = pair_search_table(pair_codebook(64))
+    with pytest.raises(ValueError, match="pair_search_table\\(points\\)"):
+        pair_search_candidates(table[:-3], 3)
+    with pytest.raises(ValueError, match="for 4-bit keys"):
+        pair_search_candidates(table, 4)
 
 
 def test_a_pair_codebook_needs_the_fused_store():

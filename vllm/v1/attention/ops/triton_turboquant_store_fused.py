@@ -49,8 +49,8 @@ from vllm.v1.attention.ops.turboquant_hadamard import (
 )
 from vllm.v1.attention.ops.turboquant_pair_code import (
     _nearest_pair_fields,
-    check_pair_codebook,
     is_pair_codebook,
+    pair_search_candidates,
 )
 from vllm.v1.attention.ops.turboquant_slot_layout import (
     check_cache_slots,
@@ -67,7 +67,7 @@ def _tq_store_mse_hadamard(
     KeyScale_ptr,  # [D] fp32, keys are divided by it (HAS_KEY_SCALE)
     KeyOffset_ptr,  # [H, D] fp32, subtracted first where shorter (HAS_KEY_OFFSET)
     Positions_ptr,  # [N] token positions: only position 0 may go unshifted
-    Midpoints_ptr,  # sorted level midpoints, or a pair code's [64, 2] points
+    Midpoints_ptr,  # sorted level midpoints, or a pair code's points or search table
     KV_cache_ptr,
     Slot_mapping_ptr,
     stride_kt,
@@ -93,6 +93,7 @@ def _tq_store_mse_hadamard(
     HAS_POSITIONS: tl.constexpr,
     ROTATE_VALUE: tl.constexpr,  # store H v (turboquant.value_rotation)
     PAIR_CODE: tl.constexpr,  # keys coded by pairs (turboquant_pair_code)
+    PAIR_CANDIDATES: tl.constexpr,  # per search-table cell; 0: all 64 points
 ):
     pid = tl.program_id(0)
     token = pid // H
@@ -130,7 +131,7 @@ def _tq_store_mse_hadamard(
     y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
 
     if PAIR_CODE:
-        idx = _nearest_pair_fields(y, Midpoints_ptr, D)
+        idx = _nearest_pair_fields(y, Midpoints_ptr, D, PAIR_CANDIDATES)
     else:
         # Bucket = number of (sorted) midpoints <= y: the insertion point
         # 0.20.2's binary search finds, from uniform scalar loads instead of
@@ -308,8 +309,9 @@ def turboquant_store_hadamard(
     sequence's first key may be stored the latter way. With
     ``value_rotation`` the values stored are ``PiT @ value``, coded as 0.20.2
     codes values (``turboquant.value_rotation``). Where ``midpoints`` is a
-    pair codebook (``turboquant_pair_code``) each pair of rotated
-    coordinates is coded as its nearest point instead.
+    pair codebook (``turboquant_pair_code``: its points, or for speed its
+    ``pair_search_table``) each pair of rotated coordinates is coded as its
+    nearest point instead.
     """
     N, H, D = key.shape
     if not rotates_in_registers(D) or mse_bits not in (3, 4):
@@ -327,8 +329,7 @@ def turboquant_store_hadamard(
     if key_offset is not None:
         check_key_offset(key_offset, H, D)
     pairs = is_pair_codebook(midpoints)
-    if pairs:
-        check_pair_codebook(midpoints, mse_bits)
+    candidates = pair_search_candidates(midpoints, mse_bits) if pairs else 0
     layout = slot_layout(D, False, mse_bits, value_quant_bits)
     launcher(_tq_store_mse_hadamard)[(N * H,)](
         key,
@@ -363,6 +364,7 @@ def turboquant_store_hadamard(
         HAS_POSITIONS=key_offset is not None and positions is not None,
         ROTATE_VALUE=value_rotation,
         PAIR_CODE=pairs,
+        PAIR_CANDIDATES=candidates,
         num_warps=num_warps or _num_warps(D),
         num_stages=1,
     )

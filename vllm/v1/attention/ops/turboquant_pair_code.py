@@ -20,8 +20,15 @@ fitted once by Lloyd's algorithm on 10**6 seeded pairs of N(0, 1)
 coordinates, started from the 8 x 8 grid of the 3-bit Lloyd-Max levels;
 ``pair_codebook`` scales them to a head size's coordinates and rounds them to
 fp16 values, as ``fp16_centroids`` rounds the scalar levels.
+
+The store finds a pair's nearest point in a search table
+(``pair_search_table``): the plane cut into 8 x 8 cells, each with the few
+points that can be nearest to some pair inside it. A pair is compared with
+its cell's candidates (7 for these points) instead of all 64, and the code
+it gets is the one the search over all 64 gives.
 """
 
+import functools
 import math
 
 import torch
@@ -105,6 +112,96 @@ def pair_codebook(head_dim: int) -> torch.Tensor:
     return (points / math.sqrt(head_dim)).half().float()
 
 
+# The search table's cells per coordinate, and where its rows start.
+PAIR_CELLS = 8
+_CANDIDATE_ROW = PAIR_POINTS + PAIR_CELLS
+# Every coordinate of a rotated unit key lies in [-1, 1]; the outer cells
+# end at 2, so fp32 rounding of the rotation stays inside them.
+_COORDINATE_BOUND = 2.0
+# A point is left out of a cell only if another is nearer by this share of
+# their squared distances everywhere in the cell: far above the fp32 error of
+# the store's distances (a few 2**-24 of them), so no pair's nearest point
+# under fp32 arithmetic is left out.
+_PRUNE_MARGIN = 1e-6
+
+
+def pair_search_table(points: torch.Tensor) -> torch.Tensor:
+    """The store's search table for a pair codebook ``points`` ([64, 2]).
+
+    Rows 0-63 are the points. Rows 64-70 hold the cell bounds, x in column 0
+    and y in column 1: midway between the 8th and 9th, 16th and 17th, ...
+    of the points' sorted coordinates (row 71 is padding). From row 72 each
+    of the 8 x 8 cells (``8 * x cell + y cell``) lists ``K`` candidates as
+    point numbers in column 0, ascending, the last repeated to fill ``K``:
+    every point not nearer than some other point by ``_PRUNE_MARGIN`` at all
+    four corners of the cell. The squared distance to a point is affine in
+    the pair minus that of another, so one that loses at the four corners
+    loses everywhere inside. Computed in float64 from the fp32 points and
+    bounds the store reads, once per codebook (every layer of a head size
+    holds the same one)."""
+    check_pair_codebook(points, 3)
+    table = _search_table(tuple(points.detach().cpu().flatten().tolist()))
+    return table.to(points.device, copy=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _search_table(flat_points: tuple[float, ...]) -> torch.Tensor:
+    points = torch.tensor(flat_points, dtype=torch.float32).view(PAIR_POINTS, 2)
+    p = points.double()
+    rank = torch.arange(1, PAIR_CELLS) * (PAIR_POINTS // PAIR_CELLS)
+    ordered = p.sort(dim=0).values
+    bounds = ((ordered[rank - 1] + ordered[rank]) / 2).float().double()
+    edge = torch.full((1, 2), _COORDINATE_BOUND, dtype=torch.float64)
+    edges = torch.cat([-edge, bounds, edge])  # [9, 2]
+    cell = torch.arange(PAIR_CELLS * PAIR_CELLS)
+    x = edges[:, 0][torch.stack([cell // PAIR_CELLS, cell // PAIR_CELLS + 1], 1)]
+    y = edges[:, 1][torch.stack([cell % PAIR_CELLS, cell % PAIR_CELLS + 1], 1)]
+    corners = torch.stack(
+        [x[:, :, None].expand(-1, 2, 2), y[:, None, :].expand(-1, 2, 2)], -1
+    ).reshape(-1, 4, 2)  # [cells, 4, 2]
+    dist = ((corners[:, :, None, :] - p) ** 2).sum(-1)  # [cells, 4, points]
+    # gap[c, k, n, m]: how much farther point n is than point m at corner k.
+    gap = dist[:, :, :, None] - dist[:, :, None, :]
+    scale = dist[:, :, :, None] + dist[:, :, None, :]
+    beaten = (gap > _PRUNE_MARGIN * scale).all(1).any(-1)  # [cells, points]
+    candidates = [torch.nonzero(~row).flatten() for row in beaten]
+    width = max(len(c) for c in candidates)
+    lists = torch.stack(
+        [torch.cat([c, c[-1:].expand(width - len(c))]) for c in candidates]
+    )
+    table = torch.zeros(_CANDIDATE_ROW + lists.numel(), 2, dtype=torch.float32)
+    table[:PAIR_POINTS] = points
+    table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1] = bounds.float()
+    table[_CANDIDATE_ROW:, 0] = lists.flatten().float()
+    return table
+
+
+def pair_search_candidates(table: torch.Tensor, mse_bits: int) -> int:
+    """Candidates per cell of a pair codebook as the store takes it: 0 for
+    the 64 points alone (each pair compared with all of them), ``K`` for a
+    ``pair_search_table``. Refuses anything else."""
+    rows = table.shape[0]
+    if rows == PAIR_POINTS:
+        check_pair_codebook(table, mse_bits)
+        return 0
+    cells = PAIR_CELLS * PAIR_CELLS
+    if (
+        mse_bits != 3
+        or rows <= _CANDIDATE_ROW
+        or (rows - _CANDIDATE_ROW) % cells
+        or table.shape[1] != 2
+        or table.dtype != torch.float32
+        or not table.is_contiguous()
+    ):
+        raise ValueError(
+            f"the store takes a pair codebook as its [{PAIR_POINTS}, 2] points or "
+            f"as pair_search_table(points) ([{_CANDIDATE_ROW} + {cells} K, 2] "
+            f"float32) for 3-bit keys, got {tuple(table.shape)} {table.dtype} for "
+            f"{mse_bits}-bit keys"
+        )
+    return (rows - _CANDIDATE_ROW) // cells
+
+
 def is_pair_codebook(codebook: torch.Tensor) -> bool:
     """Whether keys coded with ``codebook`` are coded by pairs (a [points, 2]
     table) rather than per coordinate (a vector of levels or midpoints)."""
@@ -128,20 +225,43 @@ def check_pair_codebook(codebook: torch.Tensor, mse_bits: int) -> None:
 
 
 @triton.jit
-def _nearest_pair_fields(y, Points_ptr, D: tl.constexpr):
+def _pair_distance(a, b, Points_ptr, n):
+    dx = a - tl.load(Points_ptr + 2 * n)
+    dy = b - tl.load(Points_ptr + 2 * n + 1)
+    return dx * dx + dy * dy
+
+
+@triton.jit
+def _nearest_pair_fields(y, Points_ptr, D: tl.constexpr, CANDIDATES: tl.constexpr):
     """[D] rotated coordinates -> [D] 3-bit fields: each pair's nearest
     point ``n`` (the first of equals), ``n % 8`` at its first coordinate and
-    ``n // 8`` at its second."""
+    ``n // 8`` at its second. ``Points_ptr``: the 64 points, or with
+    ``CANDIDATES`` a ``pair_search_table``, whose cell's candidates hold
+    every point that can be nearest there, in ascending order: the same
+    ``n``, from ``CANDIDATES`` distances instead of 64."""
     a, b = tl.split(tl.reshape(y, [D // 2, 2]))
     best = tl.full([D // 2], float("inf"), tl.float32)
     code = tl.zeros([D // 2], tl.int32)
-    for n in tl.static_range(64):
-        dx = a - tl.load(Points_ptr + 2 * n)
-        dy = b - tl.load(Points_ptr + 2 * n + 1)
-        dist = dx * dx + dy * dy
-        nearer = dist < best
-        best = tl.where(nearer, dist, best)
-        code = tl.where(nearer, n, code)
+    if CANDIDATES == 0:
+        for n in tl.static_range(64):
+            dist = _pair_distance(a, b, Points_ptr, n)
+            nearer = dist < best
+            best = tl.where(nearer, dist, best)
+            code = tl.where(nearer, n, code)
+    else:
+        # The table's layout (PAIR_CELLS = 8): bounds from row 64, cells'
+        # candidates from row 72, two floats a row.
+        cell = tl.zeros([D // 2], tl.int32)
+        for j in tl.static_range(7):
+            cell += 8 * (a >= tl.load(Points_ptr + 128 + 2 * j)).to(tl.int32)
+            cell += (b >= tl.load(Points_ptr + 129 + 2 * j)).to(tl.int32)
+        listed = Points_ptr + 144 + 2 * CANDIDATES * cell
+        for j in tl.static_range(CANDIDATES):
+            n = tl.load(listed + 2 * j).to(tl.int32)
+            dist = _pair_distance(a, b, Points_ptr, n)
+            nearer = dist < best
+            best = tl.where(nearer, dist, best)
+            code = tl.where(nearer, n, code)
     return tl.reshape(tl.join(code & 7, code >> 3), [D])
 
 

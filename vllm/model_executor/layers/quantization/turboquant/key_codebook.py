@@ -23,7 +23,11 @@ from vllm.model_executor.layers.quantization.turboquant.fp16_centroids import (
 from vllm.model_executor.layers.quantization.turboquant.key_offset import (
     fused_kernels_serve,
 )
-from vllm.v1.attention.ops.turboquant_pair_code import is_pair_codebook, pair_codebook
+from vllm.v1.attention.ops.turboquant_pair_code import (
+    is_pair_codebook,
+    pair_codebook,
+    pair_search_table,
+)
 
 
 def key_codebook(cfg, head_dim: int) -> torch.Tensor:
@@ -37,9 +41,10 @@ def key_codebook(cfg, head_dim: int) -> torch.Tensor:
 
 def store_codebook(codebook: torch.Tensor) -> torch.Tensor:
     """What the store compares rotated coordinates with: a pair codebook's
-    points, or the midpoints of the sorted levels."""
+    points with the cells that bound each pair's search, or the midpoints of
+    the sorted levels."""
     if is_pair_codebook(codebook):
-        return codebook
+        return pair_search_table(codebook)
     levels = codebook.sort().values
     return (levels[:-1] + levels[1:]) / 2
 
