@@ -129,3 +129,48 @@ def test_a_patch_that_matches_nothing_is_named_not_passed(series, monkeypatch):
     with pytest.raises(SystemExit, match=r"matches '9999':.*e\.g\. its number"):
         prefix.run(series, ["0001", "9999"], [], log=printed.append)
     assert printed == []
+
+
+PLACE_TESTS = """
+import sys
+import types
+
+import vllm
+
+
+def test_sees_the_place_s_vllm():
+    assert vllm.__file__.startswith({tree!r})
+
+
+def test_red():
+    assert False, "red at its place"
+
+
+def test_swaps_vllm():
+    if {swap!r}:
+        sys.modules["vllm"] = types.SimpleNamespace(__file__="/elsewhere/vllm.py")
+"""
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_place_s_tests_run_forked_against_its_own_vllm(
+    tmp_path, pristine_root, series, swap
+):
+    """Each place's pytest is a fork of a server that imported the heavy
+    third-party modules once: its tests import the place's vllm, its status
+    and output come back with its processor time, and a run that ended with
+    another vllm loaded is refused (status 3), not passed."""
+    tree = prefix_tree(series, 1, tmp_path / "tree")
+    test_file = tmp_path / "test_place.py"
+    test_file.write_text(PLACE_TESTS.format(tree=str(tree), swap=swap))
+    with open(tmp_path / "out", "w+") as out:
+        rc = prefix._pytest(tree, [str(test_file)], [], False, out)
+        out.seek(0)
+        text = out.read()
+    assert "1 failed, 2 passed" in text, text
+    assert "red at its place" in text
+    assert "(cpu: " in text
+    if swap:
+        assert rc == 3 and "imported vllm from /elsewhere/vllm.py" in text, text
+    else:
+        assert rc == 1, text
