@@ -16,6 +16,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def _link_farm(src: Path, dest: Path, rel: Path, made: set[Path]) -> None:
 # before triton loads (torch._dynamo and transformers' image processors import it).
 FORK_SERVER_PRELOAD = ["numpy", "torch", "transformers", "gguf", "pytest"]
 _fork_server: list = []
+# Processor seconds of the places' pytest runs, summed for the run's last line.
+_cpu_seconds = [0.0]
+_cpu_lock = threading.Lock()
 
 
 def _forked_pytest_context():
@@ -111,7 +115,7 @@ def _place_env(tree: Path, interpret: bool) -> dict[str, str]:
 
 
 def _pytest_at_place(tree: str, args: list[str], env: dict[str, str],
-                     out_path: str | None) -> None:
+                     out_path: str | None, cpu_path: str) -> None:
     """A fork server's child: pytest ``args`` against the prefix ``tree``, as
     ``python -m pytest`` run with ``env`` would; exits with pytest's status."""
     if out_path is not None:
@@ -141,8 +145,11 @@ def _pytest_at_place(tree: str, args: list[str], env: dict[str, str],
     # make the lane's length the sum of these.
     cpu = [resource.getrusage(who) for who in (resource.RUSAGE_SELF,
                                               resource.RUSAGE_CHILDREN)]
-    print(f"   (cpu: {sum(u.ru_utime for u in cpu):.1f} s user, "
-          f"{sum(u.ru_stime for u in cpu):.1f} s system)", flush=True)
+    user, system = (sum(u.ru_utime for u in cpu), sum(u.ru_stime for u in cpu))
+    print(f"   (cpu: {user:.1f} s user, {system:.1f} s system)", flush=True)
+    # The fork server, not this run's process, is its parent: the run's total
+    # comes back through this file.
+    Path(cpu_path).write_text(f"{user + system}")
     os._exit(rc)
 
 
@@ -158,9 +165,10 @@ def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, out
           file=out or sys.stdout, flush=True)
     with tempfile.TemporaryDirectory(prefix="hybridkv-prefix-out-") as tmp:
         out_path = None if out is None else os.path.join(tmp, "out")
+        cpu_path = os.path.join(tmp, "cpu")
         proc = _forked_pytest_context().Process(
             target=_pytest_at_place,
-            args=(str(tree), args, _place_env(tree, interpret), out_path),
+            args=(str(tree), args, _place_env(tree, interpret), out_path, cpu_path),
         )
         proc.start()
         proc.join()
@@ -168,6 +176,9 @@ def _pytest(tree: Path, tests: list[str], extra: list[str], interpret: bool, out
             with open(out_path, errors="replace") as f:
                 out.write(f.read())
             out.flush()
+        if os.path.exists(cpu_path):
+            with _cpu_lock:
+                _cpu_seconds[0] += float(Path(cpu_path).read_text())
     return proc.exitcode
 
 
@@ -257,5 +268,6 @@ def run(series: Series, only: list[str], extra: list[str], skip_full: bool = Fal
     if failed:
         log(f"\nFAILED at their place in the series: {', '.join(failed)}")
         return 1
-    log("\nEvery patch's tests pass with only the patches up to it applied.")
+    log("\nEvery patch's tests pass with only the patches up to it applied "
+        f"({_cpu_seconds[0]:.0f} s of processor time in their pytest runs).")
     return 0

@@ -9,7 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HYBRIDKV_VENV:-.venv}
 # Every step reports its processor time: on CI's two cores the script's length is
-# bound by their sum, not by the longest step.
+# bound by their sum, not by the longest step. A step in line is timed in a subshell
+# of its own: timed in this shell it would also count a step beside that ended
+# meanwhile. prefix-test's pytest runs are forks of its fork server, which it does
+# not wait for: their sum is on its last line.
 TIMEFORMAT='(cpu: %U s user, %S s system; %R s wall)'
 time bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
@@ -70,23 +73,23 @@ beside kernels env HYBRIDKV_TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$py" -m pytest
   tests/benchmarks/test_turboquant_readback_benchmark.py -q -p no:cacheprovider
 
 printf '\n== lint: ruff %s with vLLM 0.20.2'"'"'s config (overlay, tests, the lines hooks add) (at %d s)\n' 0.14.0 "$SECONDS"
-time "$VENV/bin/hybridkv" lint
+(time "$VENV/bin/hybridkv" lint)
 
 printf '\n== hybridkv tests (tests/) (at %d s)\n' "$SECONDS"
-time HYBRIDKV_SKIP_RESOLVE=1 "$py" -m pytest tests -q -p no:cacheprovider "$@"
+(time HYBRIDKV_SKIP_RESOLVE=1 "$py" -m pytest tests -q -p no:cacheprovider "$@")
 
 printf '\n== model configs under transformers 5.17.0 and 5.23.0 (scripts/test-transformers.sh) (at %d s)\n' "$SECONDS"
-time HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh
+(time HYBRIDKV_VENV="$VENV" bash scripts/test-transformers.sh)
 
 printf '\n== vLLM 0.20.2 tests for the code the series touches (from the sdist) (at %d s)\n' "$SECONDS"
 cd "$("$py" -c 'from hybridkv.base import upstream_tests_dir; print(upstream_tests_dir())')"
 mapfile -t upstream < <(grep -v "^#" "$OLDPWD/tests/upstream_tests.txt" | grep .)
-time "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
+(time "$py" -m pytest -q -p no:cacheprovider -p hybridkv.testing.pytest_plugin \
   --deselect-file="$OLDPWD/tests/upstream_deselect.txt" \
-  --model-redirect-dir="$OLDPWD/tests/upstream_models" "${upstream[@]}"
+  --model-redirect-dir="$OLDPWD/tests/upstream_models" "${upstream[@]}")
 mapfile -t interpret < <(grep -v "^#" "$OLDPWD/tests/upstream_tests_interpret.txt" | grep .)
-time HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider \
-  -p hybridkv.testing.pytest_plugin --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}"
+(time HYBRIDKV_TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider \
+  -p hybridkv.testing.pytest_plugin --model-redirect-dir="$OLDPWD/tests/upstream_models" "${interpret[@]}")
 
 report kernels "Triton kernels under the CPU interpreter (tests/kernels, the read-back benchmark's)" 2
 report prefix "each patch at its place: patches 1..N on pristine vLLM, patch N's tests" 0

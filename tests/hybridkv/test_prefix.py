@@ -163,6 +163,7 @@ def test_a_place_s_tests_run_forked_against_its_own_vllm(
     tree = prefix_tree(series, 1, tmp_path / "tree")
     test_file = tmp_path / "test_place.py"
     test_file.write_text(PLACE_TESTS.format(tree=str(tree), swap=swap))
+    before = prefix._cpu_seconds[0]
     with open(tmp_path / "out", "w+") as out:
         rc = prefix._pytest(tree, [str(test_file)], [], False, out)
         out.seek(0)
@@ -170,6 +171,7 @@ def test_a_place_s_tests_run_forked_against_its_own_vllm(
     assert "1 failed, 2 passed" in text, text
     assert "red at its place" in text
     assert "(cpu: " in text
+    assert prefix._cpu_seconds[0] > before  # the run's total, for its last line
     if swap:
         assert rc == 3 and "imported vllm from /elsewhere/vllm.py" in text, text
     else:
