@@ -279,18 +279,27 @@ def test_pair_code_stores_each_pair_s_nearest_point(head_dim, triton_device):
     assert torch.equal(rows["pairs"][..., mse:], rows["scalar"][..., mse:])
 
 
+def _cell_bounds(table: torch.Tensor) -> torch.Tensor:
+    """A ``pair_search_table``'s [7, 2] cell bounds (x, y)."""
+    return table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
+
+
+def _cell_lists(table: torch.Tensor) -> torch.Tensor:
+    """A ``pair_search_table``'s [cells, K] candidate point numbers."""
+    k = pair_search_candidates(table, 3)
+    return table[PAIR_POINTS + PAIR_CELLS :, 0].long().view(-1, k)
+
+
 def _cell_candidates(table: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """[n, 2] pairs -> [n, K] their cells' candidates, the cell found as the
     store finds it (how many bounds each coordinate reaches)."""
-    k = pair_search_candidates(table, 3)
-    bounds = table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
+    bounds = _cell_bounds(table)
     x = (pairs[:, None, 0] >= bounds[:, 0]).sum(-1)
     y = (pairs[:, None, 1] >= bounds[:, 1]).sum(-1)
-    listed = table[PAIR_POINTS + PAIR_CELLS :, 0].long().view(-1, k)
-    return listed[PAIR_CELLS * x + y]
+    return _cell_lists(table)[PAIR_CELLS * x + y]
 
 
-def _test_pairs(points: torch.Tensor) -> torch.Tensor:
+def _test_pairs(points: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """fp32 pairs where a search could go wrong, and typical ones: rotated
     coordinates of unit keys, every point and every midpoint of two points
     (ties) nudged by a few ulps, the table's bounds, and the whole square
@@ -299,7 +308,7 @@ def _test_pairs(points: torch.Tensor) -> torch.Tensor:
     d = round(2.5 / points.abs().max().item()) ** 2  # the head size, roughly
     typical = torch.randn(20000, 2, generator=g) / math.sqrt(d)
     mids = ((points[:, None] + points[None]) / 2).reshape(-1, 2)
-    bounds = pair_search_table(points)[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
+    bounds = _cell_bounds(table)
     across = torch.cartesian_prod(bounds[:, 0], bounds[:, 1])
     anywhere = torch.rand(20000, 2, generator=g) * 2 - 1
     base = torch.cat([typical, points, mids, across, anywhere])
@@ -315,12 +324,11 @@ def test_a_search_cell_lists_every_point_that_can_be_nearest_there(head_dim):
     ties and at the cell bounds too, and a cell lists at most 7 points."""
     points = pair_codebook(head_dim)
     table = pair_search_table(points)
-    k = pair_search_candidates(table, 3)
-    assert k <= 7
-    listed = table[PAIR_POINTS + PAIR_CELLS :, 0].view(-1, k)
+    assert pair_search_candidates(table, 3) <= 7
+    listed = _cell_lists(table)
     assert (listed[:, 1:] >= listed[:, :-1]).all(), "candidates not ascending"
     assert torch.equal(table[:PAIR_POINTS], points)
-    pairs = _test_pairs(points)
+    pairs = _test_pairs(points, table)
     dx = pairs[:, None, 0] - points[:, 0]
     dy = pairs[:, None, 1] - points[:, 1]
     nearest = (dx * dx + dy * dy).argmin(-1)
