@@ -222,6 +222,24 @@ def test_the_benchmarks_window_reads_pages_of_its_own_row(size, context):
             assert 0 <= page < window.key_cache.shape[0]
 
 
+def test_the_store_table_puts_the_store_as_served_against_bf16():
+    # The backend stores 3- and 4-bit MSE keys with a key offset and rotated
+    # values (0027, 0028): the store it runs, not only the plain call, is
+    # what the store target (<= 1.0x bf16) is read from.
+    store = dict(kind="store", case="Qwen3-4B", heads="32/8x128", tokens=64)
+    rows = [
+        dict(store, kv="bf16", bytes=1.0e6, old_us=5.0),
+        dict(store, kv="4bit_nc", bytes=6.6e5, new_us=5.5, served_us=4.5,
+             old_us=30.0, bf16_us=5.0),
+        dict(store, kv="k8v4", bytes=7.2e5, new_us=4.9, served_us=4.9,
+             old_us=6.0, bf16_us=5.0),
+    ]  # fmt: skip
+    md = _bench().markdown(META, rows, BW)
+    assert "| shipped µs | shipped / bf16 | as served µs | as served / bf16 |" in md
+    assert "| 64 | 4bit_nc | 5.5 | 1.10x | 4.5 | 0.90x | 30.0 | 5.0 |" in md
+    assert "| 64 | k8v4 | 4.9 | 0.98x | 4.9 | 0.98x | 6.0 | 5.0 |" in md
+
+
 def test_mse_presets_are_timed_with_the_backends_query_rotation(monkeypatch):
     # The backend's decode (maybe_decode_attention) rotates the query in one
     # small kernel: its matrix is the backend's own Hadamard object. The

@@ -98,6 +98,24 @@ def _tq_store_mse_hadamard(
     pid = tl.program_id(0)
     token = pid // H
     head = pid % H
+    token64 = token.to(tl.int64)
+    d = tl.arange(0, D)
+    # The loads are issued before the slot's branch and the first store,
+    # which the compiler moves no load across: a program waits for memory
+    # once, not three times (the slot, then the key, then the value after
+    # the key's stores). A decode step's store is one wave of programs, each
+    # as long as its chain of waits. (An unrotated value is loaded by
+    # 0.20.2's value routine, after the key's stores.)
+    k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d).to(tl.float32)
+    if HAS_KEY_SCALE:
+        scale = tl.load(KeyScale_ptr + d)
+    if HAS_KEY_OFFSET:
+        offset = tl.load(KeyOffset_ptr + head * D + d)
+    if HAS_POSITIONS:
+        first = tl.load(Positions_ptr + token) == 0
+    if ROTATE_VALUE:
+        v = tl.load(Value_ptr + token64 * stride_vt + head * stride_vh + d)
+    h = tl.load(PiT_ptr)
     slot = tl.load(Slot_mapping_ptr + token)
     if slot < 0:
         return
@@ -106,29 +124,26 @@ def _tq_store_mse_hadamard(
         + (slot % BLOCK_SIZE).to(tl.int64) * stride_cache_pos
         + head.to(tl.int64) * stride_cache_head
     )
-    token64 = token.to(tl.int64)
-    d = tl.arange(0, D)
 
-    k = tl.load(Key_ptr + token64 * stride_kt + head * stride_kh + d).to(tl.float32)
     if HAS_KEY_OFFSET:
         # The key is stored shifted (k - mu) or as it is, whichever is the
         # shorter vector: the quantizer's error scales with the length.
-        shifted = k - tl.load(KeyOffset_ptr + head * D + d)
+        shifted = k - offset
         if HAS_KEY_SCALE:
-            shifted = tl.div_rn(shifted, tl.load(KeyScale_ptr + d))
+            shifted = tl.div_rn(shifted, scale)
     if HAS_KEY_SCALE:
-        k = tl.div_rn(k, tl.load(KeyScale_ptr + d))
+        k = tl.div_rn(k, scale)
     norm = tl.sqrt_rn(tl.sum(k * k, axis=0))
     if HAS_KEY_OFFSET:
         shifted_norm = tl.sqrt_rn(tl.sum(shifted * shifted, axis=0))
         # Ties (a zero offset) and a zero key go shifted: unmarked.
         keep = (norm < shifted_norm) & (norm > 0.0)
         if HAS_POSITIONS:
-            keep = keep & (tl.load(Positions_ptr + token) == 0)
+            keep = keep & first
         k = tl.where(keep, k, shifted)
         norm = tl.where(keep, norm, shifted_norm)
     x = tl.div_rn(k, tl.zeros([D], tl.float32) + (norm + 1e-8))
-    y = _hadamard_rows(x, D, LOG2_D) * tl.load(PiT_ptr)
+    y = _hadamard_rows(x, D, LOG2_D) * h
 
     if PAIR_CODE:
         idx = _nearest_pair_fields(y, Midpoints_ptr, D, PAIR_CANDIDATES)
@@ -150,8 +165,7 @@ def _tq_store_mse_hadamard(
     _store_u16(KV_cache_ptr + slot_base + MSE_BYTES, bits)
 
     if ROTATE_VALUE:
-        v = tl.load(Value_ptr + token64 * stride_vt + head * stride_vh + d)
-        v = _hadamard_rows(v.to(tl.float32), D, LOG2_D) * tl.load(PiT_ptr)
+        v = _hadamard_rows(v.to(tl.float32), D, LOG2_D) * h
         _store_value_codes(KV_cache_ptr + slot_base + KPS, v, D, VQB, VAL_DATA_BYTES)
     else:
         _store_quantized_value(
