@@ -284,16 +284,10 @@ def _cell_bounds(table: torch.Tensor) -> torch.Tensor:
     return table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1]
 
 
-def _cells(table: torch.Tensor) -> torch.Tensor:
-    """A ``pair_search_table``'s cells: [cells, 2, K, 2], each cell's
-    candidates' coordinates, then their point numbers (column 0)."""
-    k = pair_search_candidates(table, 3)
-    return table[PAIR_POINTS + PAIR_CELLS :].view(-1, 2, k, 2)
-
-
 def _cell_lists(table: torch.Tensor) -> torch.Tensor:
     """A ``pair_search_table``'s [cells, K] candidate point numbers."""
-    return _cells(table)[:, 1, :, 0].long()
+    k = pair_search_candidates(table, 3)
+    return table[PAIR_POINTS + PAIR_CELLS :, 0].long().view(-1, k)
 
 
 def _cell_candidates(table: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -334,8 +328,6 @@ def test_a_search_cell_lists_every_point_that_can_be_nearest_there(head_dim):
     listed = _cell_lists(table)
     assert (listed[:, 1:] >= listed[:, :-1]).all(), "candidates not ascending"
     assert torch.equal(table[:PAIR_POINTS], points)
-    # The store reads a candidate's coordinates beside its number.
-    assert torch.equal(_cells(table)[:, 0], points[listed])
     pairs = _test_pairs(points, table)
     dx = pairs[:, None, 0] - points[:, 0]
     dy = pairs[:, None, 1] - points[:, 1]

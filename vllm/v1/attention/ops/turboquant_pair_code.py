@@ -131,17 +131,14 @@ def pair_search_table(points: torch.Tensor) -> torch.Tensor:
     Rows 0-63 are the points. Rows 64-70 hold the cell bounds, x in column 0
     and y in column 1: midway between the 8th and 9th, 16th and 17th, ...
     of the points' sorted coordinates (row 71 is padding). From row 72 each
-    of the 8 x 8 cells (``8 * x cell + y cell``) takes ``2 K`` rows: its
-    ``K`` candidates' coordinates, then their point numbers in column 0,
-    ascending, the last repeated to fill ``K``. The candidates are every
-    point not nearer than some other point by ``_PRUNE_MARGIN`` at all four
-    corners of the cell: the squared distance to a point minus that to
-    another is affine in the pair, so one that loses at the four corners
-    loses everywhere inside. The store reads a candidate's coordinates
-    where its number is listed, not through it, and its number only for the
-    nearest. Computed in float64 from the fp32 points and bounds the store
-    reads, once per codebook (every layer of a head size holds the same
-    one)."""
+    of the 8 x 8 cells (``8 * x cell + y cell``) lists ``K`` candidates as
+    point numbers in column 0, ascending, the last repeated to fill ``K``:
+    every point not nearer than some other point by ``_PRUNE_MARGIN`` at all
+    four corners of the cell. The squared distance to a point is affine in
+    the pair minus that of another, so one that loses at the four corners
+    loses everywhere inside. Computed in float64 from the fp32 points and
+    bounds the store reads, once per codebook (every layer of a head size
+    holds the same one)."""
     check_pair_codebook(points, 3)
     table = _search_table(tuple(points.detach().cpu().flatten().tolist()))
     return table.to(points.device, copy=True)
@@ -172,13 +169,10 @@ def _search_table(flat_points: tuple[float, ...]) -> torch.Tensor:
     lists = torch.stack(
         [torch.cat([c, c[-1:].expand(width - len(c))]) for c in candidates]
     )
-    cells = torch.zeros(len(candidates), 2, width, 2, dtype=torch.float32)
-    cells[:, 0] = points[lists]
-    cells[:, 1, :, 0] = lists.float()
-    table = torch.zeros(_CANDIDATE_ROW + cells.numel() // 2, 2, dtype=torch.float32)
+    table = torch.zeros(_CANDIDATE_ROW + lists.numel(), 2, dtype=torch.float32)
     table[:PAIR_POINTS] = points
     table[PAIR_POINTS : PAIR_POINTS + PAIR_CELLS - 1] = bounds.float()
-    table[_CANDIDATE_ROW:] = cells.view(-1, 2)
+    table[_CANDIDATE_ROW:, 0] = lists.flatten().float()
     return table
 
 
@@ -194,18 +188,18 @@ def pair_search_candidates(table: torch.Tensor, mse_bits: int) -> int:
     if (
         mse_bits != 3
         or rows <= _CANDIDATE_ROW
-        or (rows - _CANDIDATE_ROW) % (2 * cells)
+        or (rows - _CANDIDATE_ROW) % cells
         or table.shape[1] != 2
         or table.dtype != torch.float32
         or not table.is_contiguous()
     ):
         raise ValueError(
             f"the store takes a pair codebook as its [{PAIR_POINTS}, 2] points or "
-            f"as pair_search_table(points) ([{_CANDIDATE_ROW} + {2 * cells} K, 2] "
+            f"as pair_search_table(points) ([{_CANDIDATE_ROW} + {cells} K, 2] "
             f"float32) for 3-bit keys, got {tuple(table.shape)} {table.dtype} for "
             f"{mse_bits}-bit keys"
         )
-    return (rows - _CANDIDATE_ROW) // (2 * cells)
+    return (rows - _CANDIDATE_ROW) // cells
 
 
 def is_pair_codebook(codebook: torch.Tensor) -> bool:
@@ -255,20 +249,19 @@ def _nearest_pair_fields(y, Points_ptr, D: tl.constexpr, CANDIDATES: tl.constexp
             best = tl.where(nearer, dist, best)
             code = tl.where(nearer, n, code)
     else:
-        # The table's layout (PAIR_CELLS = 8): bounds from row 64, cells
-        # from row 72, two floats a row.
+        # The table's layout (PAIR_CELLS = 8): bounds from row 64, cells'
+        # candidates from row 72, two floats a row.
         cell = tl.zeros([D // 2], tl.int32)
         for j in tl.static_range(7):
             cell += 8 * (a >= tl.load(Points_ptr + 128 + 2 * j)).to(tl.int32)
             cell += (b >= tl.load(Points_ptr + 129 + 2 * j)).to(tl.int32)
-        listed = Points_ptr + 144 + 4 * CANDIDATES * cell
-        pick = tl.zeros([D // 2], tl.int32)
+        listed = Points_ptr + 144 + 2 * CANDIDATES * cell
         for j in tl.static_range(CANDIDATES):
-            dist = _pair_distance(a, b, listed, j)
+            n = tl.load(listed + 2 * j).to(tl.int32)
+            dist = _pair_distance(a, b, Points_ptr, n)
             nearer = dist < best
             best = tl.where(nearer, dist, best)
-            pick = tl.where(nearer, j, pick)
-        code = tl.load(listed + 2 * CANDIDATES + 2 * pick).to(tl.int32)
+            code = tl.where(nearer, n, code)
     return tl.reshape(tl.join(code & 7, code >> 3), [D])
 
 
