@@ -18,6 +18,29 @@ def import_benchmark(name: str):
         sys.path.remove(str(REPO))
 
 
+def refused(script: str, args: list[str]) -> tuple[int, str]:
+    """``python benchmarks/kernels/SCRIPT ARGS``, whose argument checks must
+    end it before anything runs, run in this process (a process of its own
+    costs ~1.3 s of imports): its exit status and what it wrote to stderr.
+    A call the checks let through raises (pytest's AssertionError) instead
+    of running on."""
+    import contextlib
+    import io
+
+    module = import_benchmark(f"benchmarks.kernels.{script.removesuffix('.py')}")
+    err = io.StringIO()
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stderr(err):
+            module.main()
+    except SystemExit as exit:
+        return exit.code, err.getvalue()
+    finally:
+        sys.argv = argv
+    raise AssertionError(f"{script} {' '.join(args)} ran instead of refusing")
+
+
 def import_kernel_helper(name: str):
     """A module the kernel benchmarks share (benchmarks/kernels/NAME.py),
     imported by its plain name as the scripts import it, so that a test

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.benchmarks import REPO, import_benchmark
+from tests.benchmarks import REPO, import_benchmark, refused
 
 REPORT = REPO / "benchmarks/kernels/compile_report_turboquant_decode.py"
 
@@ -55,40 +55,23 @@ def test_compile_report_prints_a_row_per_case(extra):
 
 
 def test_sass_needs_the_gluon_report():
-    out = subprocess.run(
-        [sys.executable, str(REPORT), "--sass"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 2
-    assert "--sass reports the Gluon stage 1: add --gluon" in out.stderr
+    status, err = refused(REPORT.name, ["--sass"])
+    assert status == 2
+    assert "--sass reports the Gluon stage 1: add --gluon" in err
 
 
 def test_compile_report_names_a_head_dim_it_has_no_case_for():
-    out = subprocess.run(
-        [sys.executable, str(REPORT), "--head-dims", "100"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 2
-    assert (
-        "--head-dims: invalid choice: 100 (choose from 64, 128, 256, 512)" in out.stderr
-    )
+    status, err = refused(REPORT.name, ["--head-dims", "100"])
+    assert status == 2
+    assert "--head-dims: invalid choice: 100 (choose from 64, 128, 256, 512)" in err
 
 
 @pytest.mark.parametrize("geometry", ["32,x", "32", "32,4,64,168,1", "32,0"])
 def test_compile_report_names_a_geometry_it_cannot_read(geometry):
-    out = subprocess.run(
-        [sys.executable, str(REPORT), "--geometries", geometry],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert f"--geometries: invalid geometry '{geometry}'" in out.stderr
-    assert "BLOCK_N,warps[,key_chunk[,maxnreg]]" in out.stderr
+    status, err = refused(REPORT.name, ["--geometries", geometry])
+    assert status == 2, err[-2000:]
+    assert f"--geometries: invalid geometry '{geometry}'" in err
+    assert "BLOCK_N,warps[,key_chunk[,maxnreg]]" in err
 
 
 def test_gluon_stage1_keeps_the_warps_its_split_count_assumes():
@@ -161,11 +144,6 @@ def test_gluon_report_compiles_its_cases_token_stride(monkeypatch):
 @pytest.mark.parametrize("flag", ["--presets", "--head-dims", "--geometries"])
 def test_compile_report_refuses_an_empty_list(flag):
     # Not a report of no cases, exit 0.
-    out = subprocess.run(
-        [sys.executable, str(REPORT), flag],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert f"{flag}: expected at least one argument" in out.stderr
+    status, err = refused(REPORT.name, [flag])
+    assert status == 2, err[-2000:]
+    assert f"{flag}: expected at least one argument" in err

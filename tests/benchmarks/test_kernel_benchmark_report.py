@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.benchmarks import REPO, import_benchmark
+from tests.benchmarks import REPO, import_benchmark, refused
 
 
 def _bench():
@@ -143,10 +143,12 @@ def test_the_documented_commands_run_from_the_repo_root_and_need_a_gpu(args):
 
 
 def test_an_unknown_preset_is_named_before_anything_runs():
-    out = _run("--presets", "turboquant_5bit")
-    assert out.returncode == 2
-    assert "invalid choice: 'turboquant_5bit'" in out.stderr
-    assert "turboquant_k8v4" in out.stderr  # the valid ones
+    status, err = refused(
+        "benchmark_turboquant_decode.py", ["--presets", "turboquant_5bit"]
+    )
+    assert status == 2
+    assert "invalid choice: 'turboquant_5bit'" in err
+    assert "turboquant_k8v4" in err  # the valid ones
 
 
 @pytest.mark.parametrize(
@@ -167,9 +169,9 @@ def test_an_unknown_preset_is_named_before_anything_runs():
     ],
 )
 def test_bad_arguments_are_named_before_anything_runs(script, args, named):
-    out = _run(*args, script=script)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert named in out.stderr
+    status, err = refused(script, args)
+    assert status == 2, err[-2000:]
+    assert named in err
 
 
 @pytest.mark.parametrize(
@@ -177,9 +179,9 @@ def test_bad_arguments_are_named_before_anything_runs(script, args, named):
                     ("-1", "--raw-window -1: a window is 1 to 64 tokens")]
 )  # fmt: skip
 def test_a_raw_window_the_engine_would_refuse_is_refused_first(size, named):
-    out = _run("--raw-window", size)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert named in out.stderr and "recent:W" in out.stderr
+    status, err = refused("benchmark_turboquant_decode.py", ["--raw-window", size])
+    assert status == 2, err[-2000:]
+    assert named in err and "recent:W" in err
 
 
 def test_report_puts_the_window_against_the_decode_as_served():

@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """`hybridkv prefix-test`: each patch's tests at its own place in the series."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -129,6 +132,24 @@ def test_a_patch_that_matches_nothing_is_named_not_passed(series, monkeypatch):
     with pytest.raises(SystemExit, match=r"matches '9999':.*e\.g\. its number"):
         prefix.run(series, ["0001", "9999"], [], log=printed.append)
     assert printed == []
+
+
+def test_the_fork_server_loads_neither_vllm_nor_triton():
+    """A place's tests import their own vllm, and kernel tests need the
+    Triton interpreter chosen before triton loads: the server's preload
+    must import neither (torch._dynamo, for one, imports triton)."""
+    code = (
+        "import sys\n"
+        f"for name in {prefix.FORK_SERVER_PRELOAD!r}:\n"
+        "    __import__(name)\n"
+        "print(sorted({'vllm', 'triton'} & {m.split('.')[0] for m in sys.modules}))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 PLACE_TESTS = """

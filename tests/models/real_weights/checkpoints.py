@@ -639,6 +639,30 @@ def _staged_dir(target: Path) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _one_parse_per_gguf() -> Iterator[None]:
+    """transformers parses a GGUF's metadata again for its config, its
+    tensors and its tokenizer (Gemma 3's 262K-token vocabulary: ~10 s each on
+    CI's CPU). Its reader only reads the file, so inside this one parse of a
+    file serves them all."""
+    import gguf
+
+    reader_type = gguf.GGUFReader
+    readers: dict[tuple, Any] = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_type(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader_type
+
+
 def convert_gguf(
     gguf: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -657,19 +681,20 @@ def convert_gguf(
     model = model or identify_gguf(gguf)
     if dtype not in ("bfloat16", "float32"):
         raise RealWeightsError(f"dtype {dtype!r}: use bfloat16 or float32")
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config.architectures = [model.facts.architecture]
-    bad = check_facts(config, model.facts)
-    if bad:
-        raise RealWeightsError(
-            f"{gguf}: the config transformers reads is not {model.name}: {bad}"
-        )
-    lm, tok = _load_weights(gguf, config)
-    if model.facts.model_type == "gemma3_text":
-        tokenizer = _gemma_tokenizer(tok, gguf)
-        _check_against_sentencepiece(tokenizer, tok, gguf)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _one_parse_per_gguf():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.architectures = [model.facts.architecture]
+        bad = check_facts(config, model.facts)
+        if bad:
+            raise RealWeightsError(
+                f"{gguf}: the config transformers reads is not {model.name}: {bad}"
+            )
+        lm, tok = _load_weights(gguf, config)
+        if model.facts.model_type == "gemma3_text":
+            tokenizer = _gemma_tokenizer(tok, gguf)
+            _check_against_sentencepiece(tokenizer, tok, gguf)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _set_special_tokens(tokenizer, tok)
     lm = lm.to(getattr(torch, dtype))
     lm.config.dtype = dtype
