@@ -22,8 +22,7 @@ def refused(script: str, args: list[str]) -> tuple[int, str]:
     """``python benchmarks/kernels/SCRIPT ARGS``, whose argument checks must
     end it before anything runs, run in this process (a process of its own
     costs ~1.3 s of imports): its exit status and what it wrote to stderr.
-    A call the checks let through raises (pytest's AssertionError) instead
-    of running on."""
+    A call the checks let through raises AssertionError once it ends."""
     import contextlib
     import io
 
