@@ -762,11 +762,22 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                     device="cuda",
                 )
                 _, midpoints, pit = tq_tables(cfg, D)
+                # The backend adds a key offset (with the tokens' positions) and
+                # rotated values where its rules say so (0027, 0028).
+                extras = served_extras(cfg, hq, hk, D)
+                if "key_offset" in extras:
+                    extras["positions"] = torch.arange(n, device="cuda")
                 timed = {"old": None}
-                for name, fn in (("new", turboquant_store),
-                                 ("old", triton_turboquant_store)):  # fmt: skip
+                for name, fn, extra in (
+                    ("new", turboquant_store, {}),
+                    ("served", turboquant_store, extras),
+                    ("old", triton_turboquant_store, {}),
+                ):
                     if name == "old" and codes_pairs(cfg):
                         continue  # 0.20.2's store writes levels only
+                    if name == "served" and not extras:
+                        timed[name] = timed["new"]  # the same call
+                        continue
                     run = functools.partial(
                         fn,
                         k,
@@ -776,28 +787,9 @@ def bench_store(shapes, presets, timer, bw, rows, log):
                         pit,
                         midpoints,
                         **store_kwargs(cfg),
+                        **extra,
                     )
                     timed[name] = timer(run)
-                # The backend adds a key offset (with the tokens' positions) and
-                # rotated values where its rules say so (0027, 0028).
-                extras = served_extras(cfg, hq, hk, D)
-                if "key_offset" in extras:
-                    extras["positions"] = torch.arange(n, device="cuda")
-                timed["served"] = timed["new"]
-                if extras:
-                    timed["served"] = timer(
-                        functools.partial(
-                            turboquant_store,
-                            k,
-                            v,
-                            cache,
-                            slots,
-                            pit,
-                            midpoints,
-                            **store_kwargs(cfg),
-                            **extras,
-                        )
-                    )
                 nbytes = in_bytes + n * hk * cfg.slot_size_aligned
                 rows.append(
                     dict(
