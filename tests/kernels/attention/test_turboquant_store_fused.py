@@ -19,6 +19,7 @@ search table (``pair_search_table``) gives the codes the search over all 64
 points gives.
 """
 
+import functools
 import math
 
 import pytest
@@ -29,6 +30,7 @@ from vllm.model_executor.layers.quantization.turboquant.centroids import get_cen
 from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
 from vllm.v1.attention.ops.triton_turboquant_store_fused import (
+    _num_warps,
     turboquant_store,
     turboquant_store_hadamard,
 )
@@ -122,7 +124,7 @@ def _stored(flat, cache, slots, d, cfg):
     return keep, rows, idx, norm
 
 
-def _store_both(preset, d, dtype, device, seed):
+def _store_both(preset, d, dtype, device, seed, num_warps=None):
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
     k, v = _qkv(d, dtype, device, seed)
     slots = _slots(device, seed)
@@ -130,7 +132,11 @@ def _store_both(preset, d, dtype, device, seed):
     midpoints = ((centroids[:-1] + centroids[1:]) / 2).to(device)
     pit = _hadamard(d).to(device)
     out = {}
-    for name, fn in (("old", triton_turboquant_store), ("new", turboquant_store)):
+    new = turboquant_store
+    if num_warps is not None:
+        kwargs = {a: b for a, b in store_kwargs(cfg).items() if a != "key_fp8"}
+        new = functools.partial(turboquant_store_hadamard, num_warps=num_warps)
+    for name, fn in (("old", triton_turboquant_store), ("new", new)):
         flat, cache, real, page = _padded_cache(cfg.slot_size_aligned, device, pad=37)
         fn(
             k,
@@ -139,7 +145,7 @@ def _store_both(preset, d, dtype, device, seed):
             slots,
             pit,
             midpoints,
-            **store_kwargs(cfg),
+            **(store_kwargs(cfg) if name == "old" or num_warps is None else kwargs),
         )
         out[name] = (flat, cache, real, page)
     return cfg, k, slots, midpoints, out
@@ -163,12 +169,39 @@ def _check_keys(name, idx, norm, ref_idx, gap, ref_norm):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("preset", MSE_PRESETS)
 def test_fused_store_matches_0202_and_float64(preset, head_dim, triton_device):
-    device = triton_device
+    _check_store_against_0202_and_float64(preset, head_dim, triton_device)
+
+
+@pytest.mark.parametrize("num_warps", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("preset", MSE_PRESETS)
+def test_every_warp_count_stores_what_0202_and_float64_store(
+    preset, head_dim, num_warps, triton_device
+):
+    """The store spreads a program over 1, 2 or 4 warps by the grid's size
+    (``_num_warps``); the sums and the transform then take other orders and
+    paths, and the codes must not change beyond near-ties at any of them."""
+    if triton_device != "cuda" and num_warps != 1:
+        pytest.skip("the interpreter runs a program's warps as one")
+    _check_store_against_0202_and_float64(preset, head_dim, triton_device, num_warps)
+
+
+def test_a_program_has_one_warp_unless_the_grid_is_small():
+    # Measured (benchmarks/NOTES.md, "Store"): at 8,192 tokens one warp takes
+    # 0.61-0.75x the time of one per 128 dimensions at head_dim 256 and 512;
+    # a decode step's few programs end sooner spread over more.
+    assert [_num_warps(128, p) for p in (1, 64 * 8, 8192 * 8)] == [1, 1, 1]
+    assert [_num_warps(256, p) for p in (64 * 4, 512 * 4, 8192 * 4)] == [2, 1, 1]
+    assert [_num_warps(512, p) for p in (64 * 4, 256 * 4, 8192 * 4)] == [4, 2, 1]
+    assert _num_warps(512, 0) == 4
+
+
+def _check_store_against_0202_and_float64(preset, head_dim, device, num_warps=None):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     flips = {}
     for seed in range(2):
         cfg, k, slots, midpoints, out = _store_both(
-            preset, head_dim, dtype, device, seed
+            preset, head_dim, dtype, device, seed, num_warps
         )
         keep = slots.cpu() >= 0
         ref_idx, gap, ref_norm = _reference(k[keep.to(k.device)], midpoints)

@@ -288,10 +288,19 @@ def _tq_store_fp8_strided(
     )
 
 
-def _num_warps(head_dim: int) -> int:
-    # One program per (token, head); a few values per thread, and small
-    # programs so that a prefill chunk keeps many of them resident per SM.
-    return max(1, min(4, head_dim // 128))
+# Warps of a grid that leaves no SM idle for want of programs (H100/H200: 132
+# SMs); the measured crossover in benchmarks/NOTES.md, "Store".
+_GRID_WARPS = 2048
+
+
+def _num_warps(head_dim: int, programs: int) -> int:
+    # One program per (token, head). Within one warp a program's Walsh-Hadamard
+    # stages and norms are shuffles; over 2 or 4 warps they go through shared
+    # memory with barriers, twice where the value is rotated too. One warp is
+    # fastest once the grid has programs enough; a smaller grid (a decode
+    # step's) ends sooner with a program spread over up to a warp per 128
+    # dimensions.
+    return max(1, min(head_dim // 128, _GRID_WARPS // max(programs, 1)))
 
 
 def turboquant_store_hadamard(
@@ -379,7 +388,7 @@ def turboquant_store_hadamard(
         ROTATE_VALUE=value_rotation,
         PAIR_CODE=pairs,
         PAIR_CANDIDATES=candidates,
-        num_warps=num_warps or _num_warps(D),
+        num_warps=num_warps or _num_warps(D, N * H),
         num_stages=1,
     )
 
