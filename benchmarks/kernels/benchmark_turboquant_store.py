@@ -15,6 +15,10 @@ TurboQuant stores against a float64 quantizer on the same random bf16 K/V:
 key indices that differ from float64 farther than 1e-6 from a bucket midpoint
 (must be 0), slots byte-identical to 0.20.2's, value bytes identical.
 Keys/values are strided views of one ``qkv`` row, as the model passes them.
+The one-launch store is also timed as served: with the arguments the backend
+adds for the preset at that head size (a key offset with the tokens'
+positions, rotated values; ``served_extras``), which change its bytes, so
+only the plain call is checked.
 
 Writes store-<time>.json and .md to --out DIR, else $OUT, else benchmarks/runs/
 (git-ignored).
@@ -33,6 +37,7 @@ from benchmark_run import sweep_main  # noqa: E402
 from turboquant_layer_setup import (  # noqa: E402
     LAYER_SHAPES,
     PAGE,
+    served_extras,
     store_kwargs,
     tq_config,
     tq_tables,
@@ -189,6 +194,8 @@ def bench(shapes, tokens, presets, timer, bw, rows, log):
                         caches[name] = cache.clone()
                         row[f"{name}_eager"] = timer(run)
                         row[f"{name}_graph"] = timer(graphed(run))
+                        if name == "new":
+                            row.update(time_served(timer, run, cfg, hq, hk, d, n))
                     except Exception as e:  # noqa: BLE001 - keep the table going
                         log(f"  {name} {label} {preset}: {type(e).__name__}: {e}")
                 if "old" in caches and "new" in caches:
@@ -197,6 +204,27 @@ def bench(shapes, tokens, presets, timer, bw, rows, log):
                 row["wall_s"] = round(time.time() - t0, 1)
                 rows.append(row)
                 log(fmt(row))
+
+
+def time_served(timer, run, cfg, hq, hk, d, n, device="cuda") -> dict:
+    """The store with the arguments the backend adds for this preset and
+    head size (0027's key offset with the tokens' positions, 0028's rotated
+    values); where it adds none, the plain call's times are the served ones."""
+    extras = served_extras(cfg, hq, hk, d, device)
+    if not extras:
+        return dict(served_same_call=True)
+    if "key_offset" in extras:
+        extras["positions"] = torch.arange(n, device=device)
+    served = functools.partial(run, **extras)
+    return dict(served_eager=timer(served), served_graph=timer(graphed(served)))
+
+
+def served(r, mode):
+    """The store as served, in ``mode`` (eager or graph): its own time, or
+    the plain call's where the backend adds nothing to it."""
+    if r.get("served_same_call"):
+        return r.get(f"new_{mode}")
+    return r.get(f"served_{mode}")
 
 
 def us(x):
@@ -227,8 +255,9 @@ def fmt(r):
     return (
         f"  {r['shape']:20s} {r['tokens']:5d} tok {r['kv']:9s} floor "
         f"{us(r['floor_us']):>6s} | eager old {us(r.get('old_eager')):>7s} "
-        f"new {us(r.get('new_eager')):>7s} bf16 {us(r['bf16_eager']):>6s} | "
-        f"graph old {us(r.get('old_graph')):>7s} new {us(r.get('new_graph')):>7s} "
+        f"new {us(r.get('new_eager')):>7s} served {us(served(r, 'eager')):>7s} "
+        f"bf16 {us(r['bf16_eager']):>6s} | graph old {us(r.get('old_graph')):>7s} "
+        f"new {us(r.get('new_graph')):>7s} served {us(served(r, 'graph')):>7s} "
         f"bf16 {us(r['bf16_graph']):>6s} | {ok}"
     )
 
@@ -244,21 +273,24 @@ def markdown(meta, rows):
             "µs = median of CUDA events, L2 flushed before each call; eager = Python "
             "+ launches; graph = the call replayed from a CUDA graph (GPU time). "
             "old = 0.20.2's `triton_turboquant_store`, new = patch 0016's "
-            "`turboquant_store`. Flips = key indices differing from float64 "
+            "`turboquant_store`; as served = new with the arguments the backend "
+            "adds for the preset (key offset with positions, rotated values), new "
+            "itself where it adds none. Flips = key indices differing from float64 "
             "farther than 1e-6 from a midpoint (far, must be 0) / within it (near)."
         ),
         "",
         (
-            "| shape | tokens | KV | floor | eager old | eager new | eager bf16 "
-            "| graph old | graph new | graph bf16 | new/bf16 graph | same slots "
-            "| values | flips far old/new | near old/new |"
+            "| shape | tokens | KV | floor | eager old | eager new | eager as served "
+            "| eager bf16 | graph old | graph new | graph as served | graph bf16 "
+            "| new/bf16 graph | as served/bf16 graph | same slots | values "
+            "| flips far old/new | near old/new |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["kv"] == "bf16":
             continue
-        ng, bg = r.get("new_graph"), r.get("bf16_graph")
+        ng, sg, bg = r.get("new_graph"), served(r, "graph"), r.get("bf16_graph")
         same = f"{r['same_slots']:.2%}" if "same_slots" in r else "n/a"
         values = "n/a"
         if "same_values" in r:
@@ -266,9 +298,10 @@ def markdown(meta, rows):
         out.append(
             f"| {r['shape']} | {r['tokens']} | {r['kv']} | {us(r['floor_us'])} | "
             f"{us(r.get('old_eager'))} | {us(r.get('new_eager'))} | "
-            f"{us(r['bf16_eager'])} | {us(r.get('old_graph'))} | "
-            f"{us(ng)} | {us(bg)} | "
+            f"{us(served(r, 'eager'))} | {us(r['bf16_eager'])} | "
+            f"{us(r.get('old_graph'))} | {us(ng)} | {us(sg)} | {us(bg)} | "
             f"{f'{ng / bg:.2f}x' if ng and bg else 'n/a'} | "
+            f"{f'{sg / bg:.2f}x' if sg and bg else 'n/a'} | "
             f"{same} | {values} | "
             f"{r.get('old_flips_far', '-')}/{r.get('new_flips_far', '-')} | "
             f"{r.get('old_flips_near', '-')}/{r.get('new_flips_near', '-')} |"
