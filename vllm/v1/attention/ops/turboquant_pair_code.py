@@ -115,12 +115,6 @@ def pair_codebook(head_dim: int) -> torch.Tensor:
 # The search table's cells per coordinate, and where its rows start.
 PAIR_CELLS = 8
 _CANDIDATE_ROW = PAIR_POINTS + PAIR_CELLS
-# The same layout as the kernel reads it: cells, and float offsets of the
-# bounds and the candidate lists (two floats a row).
-_POINTS = tl.constexpr(PAIR_POINTS)
-_CELLS = tl.constexpr(PAIR_CELLS)
-_BOUNDS_AT = tl.constexpr(2 * PAIR_POINTS)
-_LISTS_AT = tl.constexpr(2 * _CANDIDATE_ROW)
 # Every coordinate of a rotated unit key lies in [-1, 1]; the outer cells
 # end at 2, so fp32 rounding of the rotation stays inside them.
 _COORDINATE_BOUND = 2.0
@@ -249,18 +243,19 @@ def _nearest_pair_fields(y, Points_ptr, D: tl.constexpr, CANDIDATES: tl.constexp
     best = tl.full([D // 2], float("inf"), tl.float32)
     code = tl.zeros([D // 2], tl.int32)
     if CANDIDATES == 0:
-        for n in tl.static_range(_POINTS):
+        for n in tl.static_range(64):
             dist = _pair_distance(a, b, Points_ptr, n)
             nearer = dist < best
             best = tl.where(nearer, dist, best)
             code = tl.where(nearer, n, code)
     else:
+        # The table's layout (PAIR_CELLS = 8): bounds from row 64, cells'
+        # candidates from row 72, two floats a row.
         cell = tl.zeros([D // 2], tl.int32)
-        for j in tl.static_range(_CELLS - 1):
-            bound = Points_ptr + _BOUNDS_AT + 2 * j
-            cell += _CELLS * (a >= tl.load(bound)).to(tl.int32)
-            cell += (b >= tl.load(bound + 1)).to(tl.int32)
-        listed = Points_ptr + _LISTS_AT + 2 * CANDIDATES * cell
+        for j in tl.static_range(7):
+            cell += 8 * (a >= tl.load(Points_ptr + 128 + 2 * j)).to(tl.int32)
+            cell += (b >= tl.load(Points_ptr + 129 + 2 * j)).to(tl.int32)
+        listed = Points_ptr + 144 + 2 * CANDIDATES * cell
         for j in tl.static_range(CANDIDATES):
             n = tl.load(listed + 2 * j).to(tl.int32)
             dist = _pair_distance(a, b, Points_ptr, n)
@@ -290,7 +285,7 @@ def _pair_point_values_held(idx, Points_ptr):
     C: tl.constexpr = idx.shape[1]
     lo, hi = tl.split(tl.reshape(idx, [N, C // 2, 2]))
     code = lo + 8 * hi
-    n = tl.arange(0, _POINTS)
-    xs = tl.broadcast_to(tl.load(Points_ptr + 2 * n)[:, None], [_POINTS, C // 2])
-    ys = tl.broadcast_to(tl.load(Points_ptr + 2 * n + 1)[:, None], [_POINTS, C // 2])
+    n = tl.arange(0, 64)
+    xs = tl.broadcast_to(tl.load(Points_ptr + 2 * n)[:, None], [64, C // 2])
+    ys = tl.broadcast_to(tl.load(Points_ptr + 2 * n + 1)[:, None], [64, C // 2])
     return tl.reshape(tl.join(tl.gather(xs, code, 0), tl.gather(ys, code, 0)), [N, C])
