@@ -299,8 +299,8 @@ def _num_warps(head_dim: int, programs: int) -> int:
     # memory with barriers, twice where the value is rotated too. One warp is
     # fastest once the grid has programs enough; a smaller grid (a decode
     # step's) ends sooner with a program spread over up to a warp per 128
-    # dimensions.
-    return max(1, min(head_dim // 128, _GRID_WARPS // max(programs, 1)))
+    # dimensions, and never over more than 4 (8 was slower at every size).
+    return max(1, min(4, head_dim // 128, _GRID_WARPS // max(programs, 1)))
 
 
 def turboquant_store_hadamard(
